@@ -1,0 +1,122 @@
+"""The one backend interface. Every runtime implements `Backend`; `load(path)` picks the runtime.
+
+A backend exposes the few primitives the rest of prodip needs:
+- `tokenize` / `detokenize` (through the runtime's own tokenizer where it has one, so parity can
+  check that it agrees with `training.tokenizer`),
+- `logits(ids)`: next-token logits for every position of one sequence (fp32 numpy, (T, V)),
+- `generate(ids, params)`: a stream of token ids, sampled with `SamplingParams`,
+- `chat(messages, params)`: renders through `training.chat` and streams text pieces.
+Text given to a backend is normalized with `training.text.normalize` first, always.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+class ServingError(ValueError):
+    pass
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    repetition_penalty: float = 1.1  # 1 = off (CTRL-style: divide positive logits, multiply negative)
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+
+    def validate(self) -> SamplingParams:
+        if not (isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens <= 1 << 16):
+            raise ServingError(f"max_new_tokens must be an integer in [1, 65536], got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and 0 <= self.temperature <= 10):
+            raise ServingError(f"temperature must be in [0, 10], got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ServingError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ServingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 10):
+            raise ServingError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        return self
+
+    @classmethod
+    def greedy(cls, max_new_tokens: int = 32) -> SamplingParams:
+        return cls(max_new_tokens=max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # e.g. "torch", "onnx-fp32", "llama.cpp-Q4_K_M"
+    n_ctx: int
+    eos_ids: tuple[int, ...]
+
+    def tokenize(self, text: str, *, bos: bool = True, allow_special: bool = False) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray: ...
+
+    def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]: ...
+
+    def close(self) -> None: ...
+
+
+def sample_next(logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:
+    """One sampling step shared by the PyTorch and ONNX backends (llama.cpp uses its own sampler)."""
+    x = logits.astype(np.float64).copy()
+    if params.repetition_penalty != 1.0 and len(history):
+        seen = np.unique(np.asarray(history, dtype=np.int64))
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if params.temperature == 0:
+        return int(np.argmax(x))
+    x = x / params.temperature
+    if params.top_k and params.top_k < x.size:
+        kth = np.partition(x, -params.top_k)[-params.top_k]
+        x[x < kth] = -np.inf
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p)
+        cum = np.cumsum(p[order])
+        cut = order[np.searchsorted(cum, params.top_p) + 1:]
+        p[cut] = 0
+        p /= p.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def load(path: str | Path, backend: str | None = None, **kwargs) -> Backend:
+    """Pick the runtime from the file: .gguf -> llama.cpp, .onnx (or a folder with model.onnx) ->
+    ONNX Runtime, a run/checkpoint folder -> PyTorch. `backend` forces one ("llama.cpp", "onnx", "torch")."""
+    p = Path(path)
+    if not p.exists():
+        raise ServingError(f"model not found: {p}")
+    kind = backend
+    if kind is None:
+        if p.suffix == ".gguf":
+            kind = "llama.cpp"
+        elif p.suffix == ".onnx" or (p.is_dir() and any(p.glob("*.onnx"))):
+            kind = "onnx"
+        else:
+            kind = "torch"
+    if kind in ("llama.cpp", "llamacpp", "gguf"):
+        from serving.llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend(p, **kwargs)
+    if kind == "onnx":
+        from serving.onnxrt import OnnxBackend
+
+        return OnnxBackend(p, **kwargs)
+    if kind in ("torch", "pytorch"):
+        from serving.torch_backend import TorchBackend
+
+        return TorchBackend(p, **kwargs)
+    raise ServingError(f"unknown backend {kind!r}; use llama.cpp, onnx or torch")

@@ -1,0 +1,103 @@
+"""The one chat template (ChatML), its Jinja text for every export, and assistant-token masks.
+
+    <|im_start|>system\n{content}<|im_end|>\n      (optional)
+    <|im_start|>user\n{content}<|im_end|>\n
+    <|im_start|>assistant\n{content}<|im_end|>\n
+    ...
+    <|im_start|>assistant\n                          (generation prompt)
+
+The sequence starts with <s> (added by the tokenizer, `add_bos`), not by the template text, so the
+rendered prompt is identical in llama-cpp-python, transformers and here. `CHAT_TEMPLATE` goes into
+tokenizer_config.json and GGUF's tokenizer.chat_template; `OLLAMA_TEMPLATE` into the Modelfile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from training.text import normalize
+from training.tokenizer import IM_END, IM_START, Tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# The same template in ollama's Go-template syntax.
+OLLAMA_TEMPLATE = (
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
+    "<|im_start|>assistant\n"
+)
+
+STOP_STRINGS = (IM_END, IM_START)
+
+
+class ChatError(ValueError):
+    pass
+
+
+def validate(messages: Sequence[dict]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ChatError(f"message {i} must be an object with 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ChatError(f"message {i}: role {m['role']!r} is not one of {ROLES}")
+        if not isinstance(m["content"], str):
+            raise ChatError(f"message {i}: content must be a string")
+        out.append({"role": m["role"], "content": normalize(m["content"])})
+    return out
+
+
+def render(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt text (without <s>), byte-identical to CHAT_TEMPLATE rendered by Jinja."""
+    parts = [f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in validate(messages)]
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+    return "".join(parts)
+
+
+@dataclass
+class EncodedChat:
+    ids: list[int]
+    assistant_mask: list[int]  # 1 where the token is an assistant content token or its <|im_end|>
+
+
+def encode(tok: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> EncodedChat:
+    """Token ids of the rendered conversation, starting with <s>, plus the assistant-token mask.
+
+    Each part is tokenized on its own. That equals tokenizing the whole rendered text, because the
+    special tokens split the text (as in llama.cpp) and '\\n' is never merged into a piece.
+    User content cannot inject special tokens: it is encoded with allow_special=False.
+    """
+    ids, mask = [tok.bos_id], [0]
+    for m in validate(messages):
+        head = [tok.im_start_id] + tok.encode(m["role"] + "\n")
+        body = tok.encode(m["content"]) + [tok.im_end_id]
+        tail = tok.encode("\n")
+        is_asst = 1 if m["role"] == "assistant" else 0
+        ids += head + body + tail
+        mask += [0] * len(head) + [is_asst] * len(body) + [0] * len(tail)
+    if add_generation_prompt:
+        head = [tok.im_start_id] + tok.encode("assistant\n")
+        ids += head
+        mask += [0] * len(head)
+    return EncodedChat(ids, mask)
+
+
+def truncate_history(tok: Tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[dict], int]:
+    """Drop the oldest non-system turns until the prompt fits `max_tokens`; returns (kept, dropped)."""
+    msgs = validate(messages)
+    dropped = 0
+    while len(encode(tok, msgs).ids) > max_tokens:
+        idx = next((i for i, m in enumerate(msgs) if m["role"] != "system"), None)
+        if idx is None or idx == len(msgs) - 1:
+            raise ChatError(f"the message alone is longer than the context ({max_tokens} tokens); shorten it")
+        del msgs[idx]
+        dropped += 1
+    return msgs, dropped

@@ -1,0 +1,243 @@
+"""The one checkpoint format: safetensors for tensors, JSON for everything else; no pickle anywhere.
+
+    RUN_DIR/checkpoints/step_0000100/
+        model.safetensors   weights (tied output head stored once, as tok_embeddings.weight)
+        optim.safetensors   optimizer moments keyed "<param name>/<moment>" + RNG states "rng/<name>"
+        state.json          step, tokens, data position, scheduler, optimizer hyper-parameters, ...
+        config.json         the ModelConfig
+        tokenizer.model     the SentencePiece model the weights were trained with
+
+A checkpoint is written into a hidden temporary folder, fsynced, and renamed into place: a folder
+named step_* is complete by construction, and `latest()` never sees a partial save. Non-finite
+weights are refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from training.model import ModelConfig, Transformer
+from training.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+MODEL_FILE, OPTIM_FILE, STATE_FILE, CONFIG_FILE, TOKENIZER_FILE = (
+    "model.safetensors", "optim.safetensors", "state.json", "config.json", "tokenizer.model")
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+RNG_PREFIX = "rng/"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:07d}"
+
+
+def weights_for_save(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Contiguous CPU fp32 copies, the tied head dropped (safetensors stores no shared tensors)."""
+    out = {}
+    for k, v in state_dict.items():
+        if cfg.tie_embeddings and k == "output.weight":
+            continue
+        out[k] = v.detach().to("cpu", torch.float32).contiguous()
+    return out
+
+
+def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    for k, v in tensors.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            raise CheckpointError(f"refusing to save {what}: {k} holds non-finite values")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def flatten_optimizer(optim_sd: dict, names: list[str]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """torch optimizer state_dict -> ({"name/moment": tensor}, JSON param groups with names).
+
+    Accepts both index-keyed (plain `optimizer.state_dict()`, with `names` in parameter order) and
+    name-keyed state (torch.distributed.checkpoint's full optimizer state dict)."""
+    tensors = {}
+    for key, st in optim_sd["state"].items():
+        name = names[key] if isinstance(key, int) else key
+        for moment, v in st.items():
+            t = v if torch.is_tensor(v) else torch.tensor(v)
+            tensors[f"{name}/{moment}"] = t.detach().to("cpu").contiguous()
+    groups = []
+    for g in optim_sd["param_groups"]:
+        g2 = {k: v for k, v in g.items() if k != "params"}
+        g2["params"] = [names[p] if isinstance(p, int) else p for p in g["params"]]
+        groups.append(g2)
+    return tensors, groups
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict], names: list[str] | None) -> dict:
+    """Inverse of flatten_optimizer; index-keyed when `names` (parameter order) is given."""
+    index = {n: i for i, n in enumerate(names)} if names is not None else None
+    state: dict = {}
+    for k, v in tensors.items():
+        name, moment = k.rsplit("/", 1)
+        key = index[name] if index is not None else name
+        state.setdefault(key, {})[moment] = v
+    pgs = []
+    for g in groups:
+        g2 = dict(g)
+        g2["params"] = [index[p] for p in g["params"]] if index is not None else list(g["params"])
+        pgs.append(g2)
+    return {"state": state, "param_groups": pgs}
+
+
+def save(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Tokenizer,
+         optim_tensors: dict[str, torch.Tensor] | None = None, rng: dict[str, torch.Tensor] | None = None,
+         state: dict | None = None, keep_last: int = 0) -> Path:
+    """Atomically write checkpoint `step`; then prune to the newest `keep_last` (0 keeps all)."""
+    check_finite(weights, "weights")
+    if optim_tensors:
+        check_finite(optim_tensors, "optimizer state")
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / step_dir_name(step)
+    tmp = ckpt_root / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file(weights, str(tmp / MODEL_FILE), metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
+        extra = dict(optim_tensors or {})
+        extra.update({RNG_PREFIX + k: v.detach().cpu().contiguous() for k, v in (rng or {}).items()})
+        if extra:
+            save_file(extra, str(tmp / OPTIM_FILE))
+        _write_json(tmp / STATE_FILE, {"prodip_format": FORMAT_VERSION, "step": step,
+                                       "tokenizer_sha256": tokenizer.sha256, **(state or {})})
+        _write_json(tmp / CONFIG_FILE, cfg.to_dict())
+        tokenizer.save(tmp / TOKENIZER_FILE)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
+            old = ckpt_root / f"{TMP_PREFIX}old-{step_dir_name(step)}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(ckpt_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last > 0:
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary folders are never listed)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+
+
+def latest(run_dir: Path) -> Path | None:
+    cks = list_checkpoints(run_dir)
+    return cks[-1] if cks else None
+
+
+def resolve(path: str | os.PathLike, step: int | None = None) -> Path:
+    """A checkpoint folder from a RUN_DIR (latest, or `step`) or a checkpoint folder itself."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"not found: {p}")
+    if (p / MODEL_FILE).is_file() and (p / CONFIG_FILE).is_file():
+        return p
+    if step is not None:
+        c = p / "checkpoints" / step_dir_name(step)
+        if not (c / STATE_FILE).is_file():
+            raise CheckpointError(f"no complete checkpoint for step {step} in {p}")
+        return c
+    c = latest(p)
+    if c is None:
+        raise CheckpointError(f"{p} holds no complete checkpoint (expected a run folder or a checkpoint folder)")
+    return c
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    state: dict
+    tokenizer: Tokenizer
+
+    def optimizer_and_rng(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        f = self.path / OPTIM_FILE
+        if not f.is_file():
+            return {}, {}
+        try:
+            t = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: corrupted safetensors file ({e})") from None
+        rng = {k[len(RNG_PREFIX):]: v for k, v in t.items() if k.startswith(RNG_PREFIX)}
+        return {k: v for k, v in t.items() if not k.startswith(RNG_PREFIX)}, rng
+
+
+def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
+    """Read a checkpoint (weights only through safetensors; nothing is unpickled)."""
+    c = resolve(path, step)
+    try:
+        cfg = ModelConfig.from_dict(json.loads((c / CONFIG_FILE).read_text()))
+        state = json.loads((c / STATE_FILE).read_text()) if (c / STATE_FILE).is_file() else {}
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{c}: unreadable config/state JSON ({e})") from None
+    try:
+        weights = load_file(str(c / MODEL_FILE))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{c / MODEL_FILE}: truncated or corrupted safetensors file ({e})") from None
+    tok = Tokenizer.load(c / TOKENIZER_FILE)
+    if tok.vocab_size != cfg.vocab_size:
+        raise CheckpointError(f"{c}: tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
+    if state.get("tokenizer_sha256") not in (None, tok.sha256):
+        raise CheckpointError(f"{c}: tokenizer.model does not match the tokenizer the weights were trained with")
+    return Checkpoint(c, cfg, weights, state, tok)
+
+
+def load_weights(model: Transformer, weights: dict[str, torch.Tensor]) -> None:
+    """Load into `model` strictly (the tied head is the only key allowed to be absent)."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    allowed = {"output.weight"} if model.cfg.tie_embeddings else set()
+    if set(missing) - allowed or unexpected:
+        raise CheckpointError(f"weights do not fit the model: missing {sorted(set(missing) - allowed)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]}")
+
+
+def load_model(path: str | os.PathLike, step: int | None = None, device: str = "cpu") -> tuple[Transformer, Checkpoint]:
+    """The trained model in eval mode (fp32) and its checkpoint record: what every later stage reads."""
+    ck = load(path, step)
+    model = Transformer(ck.config)
+    load_weights(model, ck.weights)
+    return model.to(device).eval(), ck

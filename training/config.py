@@ -1,0 +1,102 @@
+"""TrainConfig: every training setting, from a preset, a TOML file and CLI overrides (in that order)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from training.model import ModelConfig, preset
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    data: str = ""
+    out: str = ""
+    preset: str = "small"
+    max_steps: int = 0  # 0: derived from max_tokens
+    max_tokens: int = 0
+    stop_at: int = 0  # stop (with a checkpoint) after this step, as if interrupted; resume later
+    batch_size: int = 8  # micro-batch per process
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | wsd | constant
+    decay_frac: float = 0.2  # WSD: final fraction of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
+    compile: bool = False
+    fsdp: bool = False
+    activation_checkpointing: bool = False
+    seed: int = 1337
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 200
+    keep_last: int = 3
+    log_every: int = 10
+    gpu_hourly_usd: float = 0.0
+    on_nonfinite: str = "stop"  # stop | skip
+    max_nonfinite_skips: int = 5
+    spike_zscore: float = 6.0
+    spike_window: int = 50
+    grad_flow_every: int = 100
+    skip_gates: list[str] = field(default_factory=list)
+    init: str = ""  # start from this checkpoint's weights (fine-tuning)
+    model: dict = field(default_factory=dict)  # overrides of the preset's ModelConfig
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        over = dict(self.model)
+        over["vocab_size"] = vocab_size
+        over.setdefault("max_seq_len", max(self.seq_len, preset(self.preset).max_seq_len))
+        try:
+            return preset(self.preset, **over)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+
+    def validate(self) -> TrainConfig:
+        if self.schedule not in ("cosine", "wsd", "constant"):
+            raise ConfigError(f"schedule must be cosine, wsd or constant, not {self.schedule!r}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"on_nonfinite must be stop or skip, not {self.on_nonfinite!r}")
+        for name in ("batch_size", "grad_accum", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.max_steps <= 0 and self.max_tokens <= 0:
+            raise ConfigError("set --max-steps or --max-tokens")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: invalid TOML ({e})") from None
+    out = dict(raw.get("train", {}))
+    if "model" in raw:
+        out["model"] = dict(raw["model"])
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = set(out) - known
+    if unknown:
+        raise ConfigError(f"{p}: unknown keys {sorted(unknown)}")
+    return out

@@ -1,0 +1,70 @@
+"""normalize(): the one canonical text form for Bangla and English, used by every stage.
+
+Canonical form is Unicode NFC, plus three cleanups. Why NFC:
+- It is the form the W3C and most input methods produce, and it is *stable*: NFC(NFC(x)) == NFC(x)
+  under every future Unicode version, so ids trained today match text typed years from now.
+- It unifies the two spellings of the nukta letters found in real Bangla text. U+09DC/09DD/09DF
+  (ড় ঢ় য়) are composition exclusions, so NFC maps the precomposed letters to their decomposed
+  pairs (ড/ঢ/য + U+09BC nukta); both spellings then give identical token ids.
+- It composes the two-part vowel signs (ে + া → ো U+09CB, ে + ৗ → ৌ U+09CC) consistently.
+- Unlike NFKC it folds nothing semantic: ZWJ/ZWNJ (which select conjunct/ya-phala shapes in
+  Bangla) survive, and so do full-width forms and ligatures a user typed on purpose.
+
+The cleanups: a byte-order mark (U+FEFF) anywhere is dropped; CRLF and lone CR become LF. Other
+whitespace (runs of spaces, tabs, newlines) is kept exactly, because llama.cpp keeps it too and
+the tokenizer has whitespace pieces for it.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+BOM = "\ufeff"
+ZWNJ = "\u200c"
+ZWJ = "\u200d"
+NUKTA = "\u09bc"
+NORMAL_FORM = "NFC"
+
+
+def normalize(text: str) -> str:
+    """Return the canonical form of `text` (idempotent: normalize(normalize(x)) == normalize(x))."""
+    if BOM in text:
+        text = text.replace(BOM, "")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return unicodedata.normalize(NORMAL_FORM, text)
+
+
+def is_normalized(text: str) -> bool:
+    return BOM not in text and "\r" not in text and unicodedata.is_normalized(NORMAL_FORM, text)
+
+
+# Script classification (for fertility/balance reports), by Unicode block.
+def script_counts(text: str) -> dict[str, int]:
+    """Count letters by script: 'bn' (Bengali block), 'en' (ASCII letters), 'other' (other letters)."""
+    bn = en = other = 0
+    for ch in text:
+        o = ord(ch)
+        if 0x0980 <= o <= 0x09FF:
+            bn += 1
+        elif ch.isascii():
+            if ch.isalpha():
+                en += 1
+        elif ch.isalpha():
+            other += 1
+    return {"bn": bn, "en": en, "other": other}
+
+
+LANGUAGES = ("bn", "en", "other")
+
+
+def detect_language(text: str, threshold: float = 0.6) -> str:
+    """'bn' or 'en' when that script holds >= threshold of the letters, else 'other' (mixed/other)."""
+    c = script_counts(text)
+    total = sum(c.values())
+    if total == 0:
+        return "other"
+    for lang in ("bn", "en"):
+        if c[lang] / total >= threshold:
+            return lang
+    return "other"
