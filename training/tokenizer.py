@@ -212,4 +212,11 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int, *, seed: int = 0,
         minloglevel=2,
         **opts,
     )
-    return Tokenizer(buf.getvalue())
+    # The model file records the trainer's thread count (the pieces do not depend on it): pin it,
+    # so the file and its sha256 (stamped on every shard) depend only on the data and options.
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.ParseFromString(buf.getvalue())
+    m.trainer_spec.num_threads = 1
+    return Tokenizer(m.SerializeToString())

@@ -328,8 +328,8 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
             with sync:
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
-        loss_val = D.Dist.mean(d, loss_sum / cfg.grad_accum).item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        loss_val = d.mean(loss_sum / cfg.grad_accum).item()
+        grad_norm = gates.clip_grad_norm_finite(model.parameters(), cfg.grad_clip)  # NaN: grads kept for the diagnostic
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
 
         # runtime gates: nothing non-finite reaches the weights
@@ -359,6 +359,8 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
 
         rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                "tokens_per_s": _num(thr.tokens_per_s), "mfu": thr.mfu, "elapsed_s": round(thr.elapsed, 3)}
+        if device.type == "cuda":
+            rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if spike:
             rec["loss_spike_z"] = spike
             say(f"warning: step {step}: loss spike (z={spike:.1f})")
@@ -397,7 +399,7 @@ def evaluate(fwd, batches: Batches, cfg: TrainConfig, device, autocast, d: D.Dis
             _, loss = fwd(x, y, loss_mask=mask)
         losses.append(loss.float())
     fwd.train(was)
-    val = D.Dist.mean(d, torch.stack(losses).mean()).item()
+    val = d.mean(torch.stack(losses).mean()).item()
     out = {"val_loss": val}
     if batches.bytes_per_token:
         out["val_bpb"] = val / math.log(2) / batches.bytes_per_token

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Create ./.venv and install prodip with everything it needs. Idempotent: a second run is quick.
+#   scripts/setup.sh          runtime (train, export, serve, demo)
+#   scripts/setup.sh --dev    + test tools (pytest, ruff, transformers, playwright, Debian chromium)
+# Environment knobs:
+#   PRODIP_VENV        venv folder (default .venv)
+#   PRODIP_TORCH       torch requirement (default torch==2.13.0; on a CUDA machine with torch already
+#                      in the venv nothing is reinstalled)
+#   PRODIP_LLAMA_CMAKE llama.cpp build flags. The default turns GGML_NATIVE off: some CPUs advertise
+#                      AMX but fault on AMX instructions (SIGILL in ggml's AMX matmul on quantized
+#                      models), and a native build would use them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEV=0
+[ "${1:-}" = "--dev" ] && DEV=1
+VENV=${PRODIP_VENV:-.venv}
+TORCH=${PRODIP_TORCH:-torch==2.13.0}
+LLAMA_VERSION=0.3.36
+LLAMA_CMAKE=${PRODIP_LLAMA_CMAKE:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}
+WHEELS=${PRODIP_WHEEL_CACHE:-$HOME/.cache/prodip/wheels}
+
+log() { printf '[setup] %s\n' "$*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  log "installing $TORCH"
+  "${PIP[@]}" "$TORCH"
+fi
+
+# llama-cpp-python: built from source once per flag set, the wheel cached outside the repo.
+if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
+  key=$(printf '%s' "$LLAMA_VERSION $LLAMA_CMAKE" | sha256sum | cut -c1-12)
+  dir="$WHEELS/llama-$key"
+  if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    log "building llama-cpp-python $LLAMA_VERSION from source (several minutes) with: $LLAMA_CMAKE"
+    mkdir -p "$dir"
+    CMAKE_ARGS="$LLAMA_CMAKE" "$PY" -m pip wheel --disable-pip-version-check -q --no-deps --no-cache-dir \
+      -w "$dir" "llama-cpp-python==$LLAMA_VERSION"
+  fi
+  "${PIP[@]}" "$dir"/llama_cpp_python-*.whl
+fi
+
+if [ "$DEV" = 1 ]; then
+  "${PIP[@]}" -e ".[dev]"
+  if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      log "installing Debian chromium for the browser test"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+      log "chromium not found and not root: the browser test will be skipped"
+    fi
+  fi
+else
+  "${PIP[@]}" -e .
+fi
+log "ready: $PY ($("$PY" -c 'import torch, llama_cpp; print("torch", torch.__version__, "| llama-cpp-python", llama_cpp.__version__)'))"

@@ -1,0 +1,54 @@
+"""Helpers for the tokenizer/prepare tests: where the shared data is, and small deterministic subsets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TATOEBA = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
+# Files of both registers, chosen to contain both spellings of the nukta letters (checked in test_text).
+BN_FILES = ("bn/train/majantali_bnarchive/RabindranathTagore_Prose_GalpaGuchchha_1.md",
+            "bn/train/majantali_bnarchive_wip/RabindranathTagore_Prose_NaukaaDubi.md",
+            "bn/train/7shi_bou_thakuranir_haat_all_bn.md",
+            "bn/train/majantali_bnarchive/SukumarRay_Prose_PaglaDashu.md")
+EN_FILES = ("en/train/gutenberg/Great-Expectations_1400__1400-0.txt",
+            "en/train/gutenberg/Frankenstein_84__84-0.txt",
+            "en/train/tinyshakespeare_input.txt")
+
+
+def need_shared(*parts: str) -> Path:
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"shared data not found at {p} (tests read ../shared/data beside the repo)")
+    return p
+
+
+def head_paragraphs(path: Path, max_bytes: int, skip_bytes: int = 0) -> str:
+    """Whole blank-line paragraphs from `path`, starting after `skip_bytes`, up to `max_bytes`."""
+    paras = path.read_text(encoding="utf-8").split("\n\n")
+    out, size, seen = [], 0, 0
+    for p in paras:
+        seen += len(p.encode("utf-8")) + 2
+        if seen <= skip_bytes:
+            continue
+        if size + len(p.encode("utf-8")) > max_bytes:
+            break
+        out.append(p)
+        size += len(p.encode("utf-8")) + 2
+    return "\n\n".join(out) + "\n"
+
+
+def write_subset(folder: Path, bytes_per_language: int) -> Path:
+    """A two-language corpus (bn/*.txt, en/*.txt) cut from the shared data: same bytes every time."""
+    need_shared()
+    for lang, files in (("bn", BN_FILES), ("en", EN_FILES)):
+        (folder / lang).mkdir(parents=True, exist_ok=True)
+        per_file = bytes_per_language // len(files)
+        for rel in files:
+            src = need_shared(*rel.split("/"))
+            # Skip the first 20% (front matter, Gutenberg header) for prose that looks like the rest.
+            text = head_paragraphs(src, per_file, skip_bytes=src.stat().st_size // 5)
+            (folder / lang / (src.stem + ".txt")).write_text(text, encoding="utf-8")
+    return folder

@@ -1,0 +1,65 @@
+"""training.text: the one normalization (NFC + BOM/CR cleanup) and the script-based language detection."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+from fixtures_tokenizer import BN_FILES, TATOEBA, need_shared
+
+from training.text import BOM, NUKTA, ZWJ, ZWNJ, detect_language, is_normalized, normalize, script_counts
+
+PRECOMPOSED = {"\u09dc": "\u09a1", "\u09dd": "\u09a2", "\u09df": "\u09af"}  # ড় ঢ় য় -> base letter (+ nukta)
+
+
+@pytest.mark.parametrize("pre,base", PRECOMPOSED.items())
+def test_precomposed_nukta_letters_become_the_decomposed_pair(pre, base):
+    word_pre, word_dec = f"ব{pre}া", f"ব{base}{NUKTA}া"
+    assert normalize(word_pre) == normalize(word_dec) == word_dec
+    assert is_normalized(word_dec) and not is_normalized(word_pre)
+
+
+def test_two_part_vowel_signs_compose():
+    assert normalize("ক\u09c7\u09be") == "ক\u09cb"  # ে + া -> ো
+    assert normalize("ক\u09c7\u09d7") == "ক\u09cc"  # ে + ৗ -> ৌ
+
+
+def test_zwj_zwnj_whitespace_and_fullwidth_survive():
+    for s in (f"র{ZWJ}্যাব", f"ক্{ZWNJ}ষ", "a  b\t\tc\n\n d ", "ＡＢＣ ﬁ", "  leading"):
+        assert normalize(s) == s
+
+
+def test_bom_and_carriage_returns_are_cleaned():
+    assert normalize(f"{BOM}আমি\r\nতুমি\rসে{BOM}") == "আমি\nতুমি\nসে"
+    assert not is_normalized("a\r\nb") and not is_normalized(BOM + "a")
+
+
+def test_idempotent_and_stable_on_real_text():
+    lines = need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines()
+    for line in lines:
+        n = normalize(line)
+        assert normalize(n) == n and is_normalized(n)
+        assert unicodedata.is_normalized("NFC", n)
+        assert n.count(ZWJ) == line.count(ZWJ) and n.count(ZWNJ) == line.count(ZWNJ)
+
+
+def test_shared_files_with_either_spelling_agree_after_normalize():
+    """The shared files mix U+09DC/09DD/09DF and base+nukta; after normalize only the pair remains."""
+    texts = [need_shared(*rel.split("/")).read_text(encoding="utf-8") for rel in BN_FILES] + [TATOEBA.read_text()]
+    raw_pre = sum(t.count(c) for t in texts for c in PRECOMPOSED)
+    raw_nukta = sum(t.count(NUKTA) for t in texts)
+    assert raw_pre > 1000 and raw_nukta > 1000, "fixture files should hold both spellings"
+    normed = [normalize(t) for t in texts]
+    assert sum(t.count(c) for t in normed for c in PRECOMPOSED) == 0
+    assert sum(t.count(NUKTA) for t in normed) == raw_pre + raw_nukta
+
+
+def test_script_counts_and_detect_language():
+    assert script_counts("আমি ভাত খাই, I eat 😀 Ωmega") == {"bn": 9, "en": 8, "other": 1}
+    assert detect_language("আমি বাংলায় কথা বলি।") == "bn"
+    assert detect_language("The quick brown fox.") == "en"
+    assert detect_language("আমি খাই and you") == "other"  # 6 bn vs 6 en letters: neither reaches 60%
+    assert detect_language("12345 ... !!!") == "other"
+    assert detect_language("") == "other"
+    assert detect_language("Привет мир") == "other"
+    assert detect_language("আমি খাই and you", threshold=0.5) == "bn"
