@@ -6,9 +6,13 @@
     ...
     <|im_start|>assistant\n                          (generation prompt)
 
-The sequence starts with <s> (added by the tokenizer, `add_bos`), not by the template text, so the
-rendered prompt is identical in llama-cpp-python, transformers and here. `CHAT_TEMPLATE` goes into
-tokenizer_config.json and GGUF's tokenizer.chat_template; `OLLAMA_TEMPLATE` into the Modelfile.
+The sequence starts with <s>, written by the template itself (`{{ bos_token }}`, as Llama-2 and
+Mistral templates do): llama-cpp-python's Jinja2ChatFormatter and transformers' apply_chat_template
+tokenize the rendered text without adding BOS, and llama.cpp's server strips a leading BOS it would
+add twice. So the rendered text and its tokens are identical in llama-cpp-python, transformers and
+here (`render()` text, `encode()` ids); ollama's Go template has no BOS because ollama adds it.
+`CHAT_TEMPLATE` goes into tokenizer_config.json and GGUF's tokenizer.chat_template; `OLLAMA_TEMPLATE`
+into the Modelfile.
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from training.text import normalize
-from training.tokenizer import IM_END, IM_START, Tokenizer
+from training.tokenizer import BOS, IM_END, IM_START, Tokenizer
 
 ROLES = ("system", "user", "assistant")
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{{ bos_token }}{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -55,8 +59,8 @@ def validate(messages: Sequence[dict]) -> list[dict]:
 
 
 def render(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt text (without <s>), byte-identical to CHAT_TEMPLATE rendered by Jinja."""
-    parts = [f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in validate(messages)]
+    """The prompt text (from <s>), byte-identical to CHAT_TEMPLATE rendered by Jinja with bos_token="<s>"."""
+    parts = [BOS] + [f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in validate(messages)]
     if add_generation_prompt:
         parts.append(f"{IM_START}assistant\n")
     return "".join(parts)

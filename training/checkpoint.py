@@ -120,10 +120,10 @@ def save(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mod
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    for stale in ckpt_root.glob(TMP_PREFIX + "*"):  # left behind by a save that was killed mid-way
+        shutil.rmtree(stale, ignore_errors=True)
     try:
+        tmp.mkdir()
         save_file(weights, str(tmp / MODEL_FILE), metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
         extra = dict(optim_tensors or {})
         extra.update({RNG_PREFIX + k: v.detach().cpu().contiguous() for k, v in (rng or {}).items()})
@@ -145,6 +145,10 @@ def save(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mod
         else:
             os.replace(tmp, final)
         _fsync_dir(ckpt_root)
+    except (OSError, SafetensorError) as e:  # e.g. a full disk: one clear line, older checkpoints untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {step} in {ckpt_root} ({e}); the previous checkpoints "
+                              "are intact: free some space, then run the same command again to resume") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -186,6 +190,23 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> Path:
     return c
 
 
+# torch.save's zip archive and raw pickle (protocols 2-5): named as such when refused, never unpickled
+PICKLE_HEADS = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+def unreadable_tensors(path: Path, err: Exception) -> str:
+    """Why safetensors refused `path`, in one line (a pickle payload is called out: it could run code)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b""
+    if head.startswith(PICKLE_HEADS):
+        return (f"{path} is a pickle (torch.save) file, not safetensors; refused: prodip never unpickles, since "
+                "loading a pickle can run arbitrary code. Re-save the tensors with safetensors")
+    return f"{path}: truncated or corrupted safetensors file ({err})"
+
+
 @dataclass
 class Checkpoint:
     path: Path
@@ -201,7 +222,7 @@ class Checkpoint:
         try:
             t = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: corrupted safetensors file ({e})") from None
+            raise CheckpointError(unreadable_tensors(f, e)) from None
         rng = {k[len(RNG_PREFIX):]: v for k, v in t.items() if k.startswith(RNG_PREFIX)}
         return {k: v for k, v in t.items() if not k.startswith(RNG_PREFIX)}, rng
 
@@ -217,7 +238,7 @@ def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
     try:
         weights = load_file(str(c / MODEL_FILE))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{c / MODEL_FILE}: truncated or corrupted safetensors file ({e})") from None
+        raise CheckpointError(unreadable_tensors(c / MODEL_FILE, e)) from None
     tok = Tokenizer.load(c / TOKENIZER_FILE)
     if tok.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{c}: tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -70,7 +71,9 @@ class StepLog:
                 continue  # a line torn by a crash
             if rec.get("step", 0) <= step:
                 keep.append(line)
-        self.path.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+        tmp = self.path.with_name(self.path.name + ".tmp")  # atomic: a crash here must not lose the log
+        tmp.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+        os.replace(tmp, self.path)
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict) -> None:

@@ -237,8 +237,10 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
     resume_from = prepare_run_dir(cfg, model_cfg, tok, force, d)
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / RUN_CONFIG).write_text(json.dumps({"prodip_run": 1, "kind": kind, "model": model_cfg.to_dict(),
-                                                  "train": cfg.to_dict()}, indent=2, ensure_ascii=False))
+        tmp = out / (RUN_CONFIG + ".tmp")  # atomic: a kill mid-write must not leave an unreadable config.json
+        tmp.write_text(json.dumps({"prodip_run": 1, "kind": kind, "model": model_cfg.to_dict(),
+                                   "train": cfg.to_dict()}, indent=2, ensure_ascii=False))
+        os.replace(tmp, out / RUN_CONFIG)
         tok.save(out / "tokenizer.model")
     d.barrier()
 
@@ -439,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         train(cfg, force=args.force)
-    except (*USER_ERRORS, TrainError) as e:
+    except (*USER_ERRORS, TrainError, OSError) as e:  # OSError: e.g. a full disk, a missing path
         if args.debug:
             raise
         first, _, rest = str(e).partition("\n")
