@@ -140,12 +140,13 @@ class Attention(nn.Module):
             v = torch.cat((past_kv[1], v), dim=2)
         present = (k, v)
         rep = self.n_heads // self.n_kv_heads
-        if rep > 1:  # GQA: share each K/V head across `rep` query heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
         if attn_mask is None and past_kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # training path: SDPA shares each K/V head across `rep` query heads itself (no copies)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
         else:
+            if rep > 1:  # explicit repeat: the form every ONNX exporter and runtime understands
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.wo(y), present

@@ -1,0 +1,180 @@
+"""Evaluate exported files (GGUF through llama.cpp, ONNX through onnxruntime) with training's metrics.
+
+    python -m export.evaluate FILE [FILE ...] [--reference RUN_OR_CHECKPOINT] [--text FILE ...] [--mc FILE ...]
+
+Each FILE is opened with `serving.load` (so any backend serving knows: .gguf, .onnx, a run folder),
+wrapped as a `training.evaluate.LogProbProvider` (log-softmax of the backend's logits) and scored
+exactly as `python -m training.evaluate` scores checkpoints: NLL/token, bits per byte and per
+character by language, multiple-choice accuracy. With --reference the PyTorch checkpoint is scored
+too and every file gets deltas against it, so quantization loss reads as a bits-per-byte and
+accuracy delta. Writes eval.json, eval.md, eval.png (RUN/export/eval by default) and a section of
+RUN/export/README.md when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from serving.backend import Backend
+from training.evaluate import (
+    OUTPUT_FILES,
+    EvalError,
+    TorchProvider,
+    add_common_args,
+    build_request,
+    check_common_args,
+    evaluate_model,
+    make_report,
+    render_markdown,
+    update_card,
+    write_outputs,
+)
+
+CARD_MARKER = "eval-export"  # a card section of its own, beside training.evaluate's
+REFERENCE_NAME = "torch (reference)"
+
+
+class BackendProvider:
+    """A serving Backend as a LogProbProvider: log p(ids[i] | ids[:i]) from one logits call per sequence."""
+
+    def __init__(self, backend: Backend, *, name: str | None = None, n_ctx: int | None = None):
+        self.backend = backend
+        self.name = name or backend.name
+        self.n_ctx = int(n_ctx or backend.n_ctx)
+        bos = list(backend.tokenize("", bos=True))
+        if len(bos) != 1:
+            raise EvalError(f"backend {backend.name}: tokenize('', bos=True) gave {bos}, expected just <s>")
+        self.bos_id = int(bos[0])
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.backend.tokenize(text, bos=False)]
+
+    def token_logprobs(self, ids: Sequence[int]) -> np.ndarray:
+        ids = [int(i) for i in ids]
+        logits = np.asarray(self.backend.logits(ids), dtype=np.float64)
+        if logits.ndim != 2 or logits.shape[0] != len(ids):
+            raise EvalError(f"backend {self.name}: logits shape {logits.shape} for {len(ids)} tokens, expected (T, V)")
+        x = logits[:-1]
+        m = x.max(axis=-1, keepdims=True)
+        lse = (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[:, 0]
+        return x[np.arange(len(ids) - 1), ids[1:]] - lse
+
+
+def trained_context(path: Path) -> int | None:
+    """`<arch>.context_length` of a GGUF file (None for other files): the context the model was trained
+    with, which llama.cpp may round up (to 256) although positions beyond it were never trained."""
+    if path.suffix != ".gguf":
+        return None
+    import gguf
+
+    try:
+        r = gguf.GGUFReader(path)
+        arch = r.fields["general.architecture"].contents()
+        return int(r.fields[f"{arch}.context_length"].contents())
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+def load_kwargs(path: Path, backend: str | None, n_ctx: int | None, threads: int | None) -> dict:
+    """serving.load keyword arguments: llama.cpp takes n_ctx/n_threads, the others take threads."""
+    gguf = backend in ("llama.cpp", "llamacpp", "gguf") or (backend is None and path.suffix == ".gguf")
+    kw: dict = {}
+    if gguf and n_ctx:
+        kw["n_ctx"] = n_ctx
+    if threads:
+        kw["n_threads" if gguf else "threads"] = threads
+    return kw
+
+
+def default_out(files: Sequence[Path]) -> tuple[Path, Path | None]:
+    """(output folder, model card or None): RUN/export/eval and RUN/export/README.md for files under an export folder."""
+    first = files[0].resolve()
+    for parent in [first, *first.parents]:
+        if parent.name == "export" and parent.is_dir():
+            return parent / "eval", parent / "README.md"
+    return (first if first.is_dir() else first.parent) / "eval", None
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    import serving
+
+    check_common_args(args)
+    if args.threads is not None and args.threads < 1:
+        raise EvalError(f"--threads must be >= 1, got {args.threads}")
+    files = [Path(f) for f in args.files]
+    missing = [f for f in files if not f.exists()]
+    if missing:
+        raise EvalError(f"model file not found: {missing[0]}")
+    req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride)
+    out_dir, card = default_out(files)
+    out_dir = Path(args.out) if args.out else out_dir
+    if (out_dir / OUTPUT_FILES[0]).exists() and not args.force:
+        raise EvalError(f"{out_dir / OUTPUT_FILES[0]} already exists; pass --force to overwrite or --out DIR")
+    progress = not args.no_progress
+    models: list[dict] = []
+    if args.reference:
+        from training.checkpoint import load_model
+
+        model, ck = load_model(args.reference)
+        models.append(evaluate_model(TorchProvider(model, ck.tokenizer, name=REFERENCE_NAME), req, progress=progress))
+        models[-1]["path"] = str(ck.path)
+    names: set[str] = {m["name"] for m in models}
+    for f in files:
+        trained = trained_context(f)
+        n_ctx = min(c for c in (args.n_ctx, trained) if c) if (args.n_ctx or trained) else None
+        backend = serving.load(f, args.backend, **load_kwargs(f, args.backend, n_ctx, args.threads))
+        try:
+            name = f.name if f.name not in names else str(f)
+            names.add(name)
+            provider = BackendProvider(backend, name=name, n_ctx=min(n_ctx or backend.n_ctx, backend.n_ctx))
+            result = evaluate_model(provider, req, progress=progress)
+            result.update(path=str(f), backend=backend.name)
+            models.append(result)
+        finally:
+            backend.close()
+    reference = REFERENCE_NAME if args.reference else models[0]["name"]
+    report = make_report("export", ", ".join(map(str, files)), models, req,
+                         reference=reference if len(models) > 1 else None)
+    written = write_outputs(report, out_dir, force=args.force)
+    if card is not None and card.is_file() and not args.out:
+        update_card(card, render_markdown(report).replace("## Evaluation", "## Evaluation of the exported files", 1),
+                    marker=CARD_MARKER, force=args.force)
+        written.append(card)
+    print(render_markdown(report))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m export.evaluate", description=(
+        "Score exported models (GGUF via llama.cpp, ONNX via onnxruntime) with the same metrics as "
+        "training.evaluate; with --reference, deltas against the PyTorch checkpoint."))
+    ap.add_argument("files", nargs="+", metavar="FILE", help=".gguf / .onnx files (or folders serving.load accepts)")
+    ap.add_argument("--reference", default=None, metavar="RUN_OR_CHECKPOINT",
+                    help="also score this PyTorch checkpoint and report each file's delta against it")
+    ap.add_argument("--backend", default=None, help="force a serving backend: llama.cpp, onnx or torch")
+    ap.add_argument("--n-ctx", type=int, default=None, help="scoring context (default: the model's trained context)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads per backend (1 is fastest on a busy machine: llama.cpp threads spin)")
+    add_common_args(ap)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_cli(args)
+    except (ValueError, OSError) as e:  # EvalError, ServingError, CheckpointError are ValueErrors
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

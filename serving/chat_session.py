@@ -1,0 +1,242 @@
+"""Conversation handling shared by the CLI, the HTTP server and the demo, for every backend.
+
+- Prompts are rendered through `training.chat` (the one template), tokenized by the backend's own
+  tokenizer: an adapter gives `training.chat.encode` the few things it needs.
+- When a conversation outgrows the context, the oldest non-system turns are dropped and the result
+  carries a notice for the user; a single message that cannot fit is a `PromptTooLong` error.
+- `TextStream` turns a backend's token stream into text pieces: incomplete UTF-8 is held back, stop
+  strings end the reply (and are never shown, not even in part), timing is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from serving.backend import Backend, SamplingParams, ServingError
+from training.chat import STOP_STRINGS, ChatError, encode, truncate_history, validate
+from training.tokenizer import IM_END, IM_START
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for a partial UTF-8 sequence
+# At most this share of the context is held back for the reply when fitting the history.
+MAX_REPLY_SHARE = 0.5
+
+
+class PromptTooLong(ServingError):
+    pass
+
+
+class BackendTokens:
+    """What `training.chat.encode` needs from a tokenizer, answered by a backend's own tokenizer."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.bos_id = self._single(backend.tokenize("", bos=True), "<s>")
+        self.im_start_id = self._single(backend.tokenize(IM_START, bos=False, allow_special=True), IM_START)
+        self.im_end_id = self._single(backend.tokenize(IM_END, bos=False, allow_special=True), IM_END)
+
+    def _single(self, ids: list[int], what: str) -> int:
+        if len(ids) != 1:
+            raise ServingError(f"{self.backend.name}: the model's tokenizer has no single {what} token (got {ids}); "
+                               "it was not trained by prodip")
+        return ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.tokenize(text, bos=False, allow_special=False)
+
+
+def text_decoder(backend: Backend) -> Callable[[Sequence[int]], str]:
+    """ids -> text while `generate` is suspended mid-stream: the backend's SentencePiece tokenizer
+    where it has one (torch, onnx), else its `detokenize` (which must not wait on generate's lock)."""
+    tok = getattr(backend, "tokenizer", None)
+    return tok.decode if tok is not None and callable(getattr(tok, "decode", None)) else backend.detokenize
+
+
+def backend_tokens(backend: Backend) -> BackendTokens:
+    """Cached per backend object (three tokenizer calls, but asked on every request)."""
+    cached = getattr(backend, "_prodip_chat_tokens", None)
+    if cached is None:
+        cached = BackendTokens(backend)
+        with contextlib.suppress(AttributeError):  # a backend with __slots__: just do not cache
+            backend._prodip_chat_tokens = cached  # type: ignore[attr-defined]
+    return cached
+
+
+@dataclass
+class PreparedChat:
+    ids: list[int]
+    messages: list[dict]  # what was kept (normalized)
+    dropped: int
+    n_ctx: int
+
+    @property
+    def notice(self) -> str | None:
+        if not self.dropped:
+            return None
+        return (f"the conversation outgrew the {self.n_ctx}-token context: "
+                f"dropped the {self.dropped} oldest message(s)")
+
+
+def reply_reserve(n_ctx: int, max_new_tokens: int) -> int:
+    return max(1, min(max_new_tokens, int(n_ctx * MAX_REPLY_SHARE)))
+
+
+def prepare_chat(backend: Backend, messages: Sequence[dict], params: SamplingParams) -> PreparedChat:
+    """Validate + normalize the messages, drop the oldest turns until prompt + reply room fit."""
+    msgs = validate(messages)
+    if not msgs:
+        raise ChatError("messages must not be empty")
+    tok = backend_tokens(backend)
+    budget = backend.n_ctx - reply_reserve(backend.n_ctx, params.max_new_tokens)
+    try:
+        kept, dropped = truncate_history(tok, msgs, budget)  # type: ignore[arg-type]
+    except ChatError:
+        # Only the last message (and any system prompt) is left and still does not fit.
+        n = len(encode(tok, [m for m in msgs if m["role"] == "system"] + [msgs[-1]]).ids)  # type: ignore[arg-type]
+        raise PromptTooLong(f"the prompt is {n} tokens but the model's context is {backend.n_ctx} tokens "
+                            f"({budget} after room for the reply); shorten the message") from None
+    return PreparedChat(encode(tok, kept).ids, kept, dropped, backend.n_ctx)  # type: ignore[arg-type]
+
+
+def prepare_completion(backend: Backend, prompt: str) -> list[int]:
+    ids = backend.tokenize(prompt, bos=True, allow_special=False)
+    if len(ids) >= backend.n_ctx:
+        raise PromptTooLong(f"the prompt is {len(ids)} tokens but the model's context is {backend.n_ctx} tokens "
+                            "(room for at least one new token is needed); shorten it")
+    return ids
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    time_to_first_token_s: float | None = None
+    total_s: float = 0.0
+    finish_reason: str | None = None  # "stop" (end of turn or stop string) | "length"
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generation speed after the first token (the first one pays for the prompt)."""
+        if self.time_to_first_token_s is None or self.completion_tokens < 2:
+            return None
+        dt = self.total_s - self.time_to_first_token_s
+        return (self.completion_tokens - 1) / dt if dt > 0 else None
+
+
+def _held_tail(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class TextStream:
+    """Iterate for text pieces; `stats` is complete once iteration ends. `lock` (if given) is held
+    for the whole generation: llama.cpp contexts must not run two generations at once."""
+
+    backend: Backend
+    ids: list[int]
+    params: SamplingParams
+    lock: threading.Lock | None = None
+    stats: GenerationStats = field(init=False)
+    text: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.params = self.params.validate()
+        self.stats = GenerationStats(prompt_tokens=len(self.ids))
+
+    def __iter__(self) -> Iterator[str]:
+        if self.lock is None:
+            yield from self._run()
+        else:
+            with self.lock:
+                yield from self._run()
+
+    def _run(self) -> Iterator[str]:
+        stops = [s for s in self.params.stop if s]
+        decode = text_decoder(self.backend)
+        gen: list[int] = []
+        emitted = 0
+        text = ""
+        t0 = time.perf_counter()
+        finish = None
+        try:
+            for tid in self.backend.generate(self.ids, self.params):
+                if not gen:
+                    self.stats.time_to_first_token_s = time.perf_counter() - t0
+                gen.append(tid)
+                self.stats.completion_tokens = len(gen)
+                self.stats.total_s = time.perf_counter() - t0  # live, so tokens/s can be shown mid-reply
+                text = decode(gen)
+                if text.endswith(REPLACEMENT_CHAR):
+                    continue  # the rest of a multi-byte character is still to come
+                hits = [i for i in (text.find(s, emitted) for s in stops) if i >= 0]
+                if hits:
+                    cut = min(hits)
+                    if cut > emitted:
+                        yield text[emitted:cut]
+                    text, emitted, finish = text[:cut], cut, "stop"
+                    break
+                safe = len(text) - _held_tail(text, stops)
+                if safe > emitted:
+                    yield text[emitted:safe]
+                    emitted = safe
+            else:
+                # The backend ended by itself: end of turn, or the token budget / context ran out.
+                hit_budget = (len(gen) >= self.params.max_new_tokens
+                              or len(self.ids) + len(gen) >= self.backend.n_ctx)
+                finish = "length" if hit_budget else "stop"
+                if len(text) > emitted:
+                    yield text[emitted:]
+                    emitted = len(text)
+        finally:
+            self.text = text[:emitted]
+            self.stats.total_s = time.perf_counter() - t0
+            self.stats.finish_reason = finish
+
+
+def chat_stream(backend: Backend, messages: Sequence[dict], params: SamplingParams,
+                lock: threading.Lock | None = None) -> tuple[PreparedChat, TextStream]:
+    """Prepare a conversation (may raise PromptTooLong / ChatError) and its reply stream."""
+    params = params.validate()
+    prepared = prepare_chat(backend, messages, params)
+    chat_params = replace(params, stop=tuple(dict.fromkeys([*params.stop, *STOP_STRINGS])))
+    return prepared, TextStream(backend, prepared.ids, chat_params, lock)
+
+
+def completion_stream(backend: Backend, prompt: str, params: SamplingParams,
+                      lock: threading.Lock | None = None) -> TextStream:
+    params = params.validate()
+    return TextStream(backend, prepare_completion(backend, prompt), params, lock)
+
+
+class ChatSession:
+    """A conversation kept across turns (the terminal chat). Dropped turns stay dropped."""
+
+    def __init__(self, backend: Backend, system: str | None = None, lock: threading.Lock | None = None):
+        self.backend = backend
+        self.lock = lock
+        self.system = system
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def ask(self, text: str, params: SamplingParams) -> tuple[PreparedChat, TextStream]:
+        """Start a reply to `text`. Iterate the stream, then call `commit(stream)` to keep the turn."""
+        prepared, stream = chat_stream(self.backend, [*self.messages, {"role": "user", "content": text}],
+                                       params, self.lock)
+        self._pending = prepared.messages
+        return prepared, stream
+
+    def commit(self, stream: TextStream) -> None:
+        self.messages = [*self._pending, {"role": "assistant", "content": stream.text}]

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible server: httpx against a real uvicorn on 127.0.0.1 (a free port)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fixtures_serve import serve_run  # noqa: F401  (pytest fixture)
+
+from serving import load
+from serving.http import DEFAULT_HOST, ServerConfig, create_app, parse_bind
+from training.text import script_counts
+
+REPO = Path(__file__).resolve().parents[1]
+BN_QUESTION = "ভাই, ডিমের হালি কত?"
+MAX_TOKENS_CAP = 64
+MAX_BODY = 16 * 1024
+STARTUP_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, timeout: float = STARTUP_S) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise AssertionError(f"server at {url} did not come up in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def server(serve_run):  # noqa: F811
+    backend = load(serve_run, threads=1)
+    app = create_app(backend, ServerConfig(model_id="prodip-test", max_body_bytes=MAX_BODY,
+                                           max_tokens_cap=MAX_TOKENS_CAP))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_up(url)
+    yield url
+    srv.should_exit = True
+    th.join(10)
+    backend.close()
+
+
+def post(url: str, path: str, **kw) -> httpx.Response:
+    return httpx.post(url + path, timeout=60, **kw)
+
+
+def sse_events(url: str, path: str, body: dict) -> list[dict | str]:
+    events: list[dict | str] = []
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def bn(text: str) -> int:
+    return script_counts(text).get("bn", 0)
+
+
+def chat_body(**kw) -> dict:
+    return {"model": "prodip-test", "messages": [{"role": "user", "content": BN_QUESTION}], "max_tokens": 32,
+            "temperature": 0.8, "seed": 5, **kw}
+
+
+def test_health_and_models(server):
+    h = httpx.get(server + "/health").json()
+    assert h["status"] == "ok" and h["backend"] == "torch" and h["n_ctx"] == 256
+    m = httpx.get(server + "/v1/models").json()
+    assert m["object"] == "list" and m["data"][0]["id"] == "prodip-test"
+
+
+def test_chat_completion_plain_and_streamed_agree(server):
+    r = post(server, "/v1/chat/completions", json=chat_body())
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["model"] == "prodip-test"
+    choice = out["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["message"]["role"] == "assistant" and bn(text) > 0, text
+    assert choice["finish_reason"] in ("stop", "length")
+    u = out["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and 0 < u["completion_tokens"] <= 32
+
+    events = sse_events(server, "/v1/chat/completions", chat_body(stream=True))
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert sum(1 for p in pieces if p) >= 2, f"not streamed in pieces: {pieces}"
+    assert "".join(pieces) == text  # same seed, same reply
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1]["usage"]["completion_tokens"] == u["completion_tokens"]
+
+
+def test_completions_plain_and_streamed(server):
+    body = {"prompt": "আমার সোনার বাংলা", "max_tokens": 16, "temperature": 0.8, "seed": 1, "top_k": 20,
+            "repeat_penalty": 1.2}
+    r = post(server, "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] > 0
+    events = sse_events(server, "/v1/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    streamed = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict))
+    assert streamed == out["choices"][0]["text"]
+
+
+def test_stop_string(server):
+    text = post(server, "/v1/completions", json={"prompt": "আমার সোনার বাংলা", "max_tokens": 32, "temperature": 0.9,
+                                                "seed": 11}).json()["choices"][0]["text"]
+    if len(text) < 4:
+        pytest.skip(f"continuation too short to cut: {text!r}")
+    stop = text[2:4]
+    cut = post(server, "/v1/completions", json={"prompt": "আমার সোনার বাংলা", "max_tokens": 32, "temperature": 0.9,
+                                               "seed": 11, "stop": [stop]}).json()
+    assert cut["choices"][0]["text"] == text[:text.find(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def one_line_error(r: httpx.Response, status: int, needle: str) -> None:
+    assert r.status_code == status, r.text
+    msg = r.json()["error"]["message"]
+    assert "\n" not in msg and needle in msg, msg
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("temperature", -0.5, "temperature"), ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -1, "top_k"),
+    ("top_k", 2.5, "top_k"), ("max_tokens", 0, "max_tokens"), ("max_tokens", MAX_TOKENS_CAP + 1, "max_tokens"),
+    ("repetition_penalty", 0, "repetition_penalty"), ("seed", "x", "seed"), ("stream", "yes", "stream"),
+    ("n", 2, "n=1"), ("stop", [1], "stop"), ("temperature", True, "temperature"),
+])
+def test_invalid_sampling_parameters_are_400(server, field, value, needle):
+    one_line_error(post(server, "/v1/chat/completions", json=chat_body(**{field: value})), 400, needle)
+
+
+def test_bad_bodies(server):
+    raw = json.dumps(chat_body(), ensure_ascii=False).encode().replace("ডিমের".encode(), b"\xff\xfe")
+    one_line_error(post(server, "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),
+                   400, "UTF-8")
+    one_line_error(post(server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                   400, "JSON")
+    one_line_error(post(server, "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                        headers={"content-type": "application/json"}), 400, "UTF-8")
+    one_line_error(post(server, "/v1/chat/completions", json=[1, 2]), 400, "object")
+    one_line_error(post(server, "/v1/chat/completions", json={"messages": []}), 400, "messages")
+    one_line_error(post(server, "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}),
+                   400, "role")
+    one_line_error(post(server, "/v1/completions", json={"prompt": 5}), 400, "prompt")
+    big = {"messages": [{"role": "user", "content": "ক" * MAX_BODY}]}
+    one_line_error(post(server, "/v1/chat/completions", json=big), 413, "limit")
+
+
+def test_prompt_longer_than_context_is_400(server):
+    long = "বাংলা ভাষা " * 300  # well under the body cap, far over 256 tokens
+    one_line_error(post(server, "/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]}),
+                   400, "context")
+    one_line_error(post(server, "/v1/completions", json={"prompt": long}), 400, "context")
+
+
+def test_long_conversation_drops_oldest_turns_and_says_so(server):
+    turn = "আমি আজ সকালে বাজারে গিয়েছিলাম এবং অনেক সবজি কিনেছি। " * 3
+    msgs = []
+    for _ in range(10):
+        msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": turn}]
+    msgs.append({"role": "user", "content": BN_QUESTION})
+    r = post(server, "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-prodip-dropped-messages"]) > 0
+    assert r.json()["prodip"]["dropped_messages"] > 0 and "dropped" in r.json()["prodip"]["notice"]
+
+
+def test_concurrent_requests_are_served_one_at_a_time(server):
+    results: list[int] = []
+
+    def one(seed: int) -> None:
+        results.append(post(server, "/v1/chat/completions", json=chat_body(seed=seed, max_tokens=8)).status_code)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [200, 200, 200]
+
+
+def test_parse_bind_defaults_to_loopback():
+    assert parse_bind("8000") == (DEFAULT_HOST, 8000) == ("127.0.0.1", 8000)
+    assert parse_bind("0.0.0.0:9") == ("0.0.0.0", 9)
+    with pytest.raises(ValueError, match="PORT"):
+        parse_bind("localhost:http")
+
+
+def test_cli_http_serves(serve_run):  # noqa: F811
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-m", "serving", str(serve_run), "--http", str(port), "--threads", "1"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_up(url)
+        r = post(url, "/v1/chat/completions", json=chat_body(max_tokens=8))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        p.terminate()
+        _, err = p.communicate(timeout=30)
+    assert f"on http://127.0.0.1:{port}/v1" in err
+
+
+def test_client_disconnect_mid_stream_frees_the_model(server):
+    body = chat_body(stream=True, max_tokens=MAX_TOKENS_CAP)
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the first event, then hang up
+    # the generation lock must be released: the next request is answered, not stuck behind it
+    r = post(server, "/v1/chat/completions", json=chat_body(max_tokens=4))
+    assert r.status_code == 200, r.text

@@ -1,0 +1,216 @@
+"""TorchBackend, the shared chat/stream layer (serving.chat_session) and the `python -m serving` CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fixtures_serve import serve_run  # noqa: F401  (pytest fixture)
+
+from serving import load
+from serving.backend import SamplingParams, ServingError
+from serving.chat_session import (
+    REPLACEMENT_CHAR,
+    ChatSession,
+    PromptTooLong,
+    TextStream,
+    _held_tail,
+    chat_stream,
+    completion_stream,
+    prepare_chat,
+)
+from serving.torch_backend import TorchBackend
+from training.checkpoint import latest
+from training.text import script_counts
+
+REPO = Path(__file__).resolve().parents[1]
+BN_QUESTION = "ভাই, ডিমের হালি কত?"
+
+
+@pytest.fixture(scope="module")
+def backend(serve_run) -> TorchBackend:  # noqa: F811
+    b = load(serve_run, threads=1)
+    yield b
+    b.close()
+
+
+def bangla_chars(text: str) -> int:
+    return script_counts(text).get("bn", 0)
+
+
+def test_load_picks_torch_for_a_run_and_a_checkpoint(serve_run, backend, tmp_path):  # noqa: F811
+    assert isinstance(backend, TorchBackend) and backend.name == "torch"
+    assert backend.n_ctx == 256
+    assert backend.eos_ids == (backend.tokenizer.eos_id, backend.tokenizer.im_end_id)
+    b2 = load(latest(serve_run))
+    assert isinstance(b2, TorchBackend)
+    with pytest.raises(ServingError, match="not found"):
+        load(serve_run / "nope")
+    with pytest.raises(ServingError, match="no complete checkpoint"):
+        load(tmp_path)  # an empty folder is neither a run nor a checkpoint
+
+
+def test_tokenize_normalizes_input(backend):
+    nfc = "আমার বোন গৌরী খোঁজ নিল।"  # ো and ৌ are two code points before NFC
+    nfd = unicodedata.normalize("NFD", nfc)
+    assert nfd != nfc
+    assert backend.tokenize(nfd) == backend.tokenize(nfc)
+    ids = backend.tokenize(nfc)
+    assert ids[0] == backend.tokenizer.bos_id
+    assert backend.detokenize(ids[1:]) == nfc
+    # user text cannot inject chat control tokens unless asked
+    assert backend.tokenizer.im_start_id not in backend.tokenize("<|im_start|>user")
+    assert backend.tokenize("<|im_start|>", bos=False, allow_special=True) == [backend.tokenizer.im_start_id]
+
+
+def test_kv_cache_generation_matches_full_sequence_logits(backend):
+    ids = backend.tokenize("আজ সকালে বাজারে গিয়ে")
+    out = list(backend.generate(ids, SamplingParams.greedy(12)))
+    assert out, "greedy generation produced nothing"
+    seq = list(ids)
+    for tok in out:  # each cached step must pick the argmax of the full-sequence forward
+        assert int(np.argmax(backend.logits(seq)[-1])) == tok
+        seq.append(tok)
+    lg = backend.logits(ids)
+    assert lg.shape == (len(ids), backend.model.cfg.vocab_size) and lg.dtype == np.float32
+
+
+def test_sampling_is_seeded_and_bounded(backend):
+    ids = backend.tokenize("একদিন এক রাজা")
+    p = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=50, top_p=0.95, seed=7)
+    a, b = list(backend.generate(ids, p)), list(backend.generate(ids, p))
+    assert a == b and 0 < len(a) <= 20
+    # the end of the context stops generation too
+    long_ids = ids + [ids[-1]] * (backend.n_ctx - len(ids) - 3)
+    assert len(list(backend.generate(long_ids, SamplingParams(max_new_tokens=50, seed=0, temperature=1.0)))) <= 3
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(max_new_tokens=0),
+                                 dict(repetition_penalty=0.0), dict(temperature=float("nan"))])
+def test_invalid_sampling_parameters_are_refused(backend, bad):
+    with pytest.raises(ServingError):
+        list(backend.generate(backend.tokenize("হ্যালো"), SamplingParams(**bad)))
+
+
+def test_input_errors(backend):
+    with pytest.raises(ServingError, match="empty"):
+        backend.logits([])
+    with pytest.raises(ServingError, match="longer than the context"):
+        backend.logits([5] * (backend.n_ctx + 1))
+    with pytest.raises(ServingError, match="token ids"):
+        backend.logits([1, 10**6])
+
+
+def test_chat_stream_replies_in_bangla_and_text_equals_tokens(backend):
+    params = SamplingParams(max_new_tokens=40, temperature=0.7, seed=3)
+    prepared, stream = chat_stream(backend, [{"role": "user", "content": BN_QUESTION}], params)
+    assert prepared.dropped == 0 and prepared.notice is None
+    assert prepared.ids[0] == backend.tokenizer.bos_id and prepared.ids[-1] != backend.tokenizer.im_end_id
+    pieces = list(stream)
+    text = "".join(pieces)
+    assert bangla_chars(text) > 0, f"reply is not Bangla: {text!r}"
+    assert all(REPLACEMENT_CHAR not in p for p in pieces)
+    # the streamed text is exactly the decoded token stream of the same seeded generation
+    ids = list(backend.generate(prepared.ids, stream.params))
+    assert text == backend.detokenize(ids)
+    s = stream.stats
+    assert s.completion_tokens == len(ids) and s.prompt_tokens == len(prepared.ids)
+    assert s.finish_reason in ("stop", "length") and s.time_to_first_token_s is not None
+
+
+def test_stop_strings_end_the_reply_and_are_never_shown(backend):
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, repetition_penalty=1.3)
+    full = "".join(completion_stream(backend, "আমার সোনার বাংলা", params))
+    assert len(full) >= 6, f"need a longer greedy continuation to cut: {full!r}"
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full.find(stop)
+    stream = completion_stream(backend, "আমার সোনার বাংলা", SamplingParams(**{**params.__dict__, "stop": (stop,)}))
+    pieces = list(stream)
+    assert "".join(pieces) == full[:cut] == stream.text
+    assert stream.stats.finish_reason == "stop"
+
+
+def test_held_tail():
+    assert _held_tail("abc<|im", ["<|im_end|>"]) == 4
+    assert _held_tail("abc", ["<|im_end|>"]) == 0
+    assert _held_tail("ab", ["bcd", "xab"]) == 1
+    assert _held_tail("zxa", ["bcd", "xab"]) == 2
+    assert _held_tail("a", []) == 0
+
+
+def test_long_conversation_drops_oldest_turns_with_notice(backend):
+    turn = "আমি আজ সকালে বাজারে গিয়েছিলাম এবং অনেক সবজি কিনেছি। " * 4
+    msgs = [{"role": "system", "content": "তুমি একজন সহকারী।"}]
+    for i in range(12):
+        msgs += [{"role": "user", "content": f"{i} {turn}"}, {"role": "assistant", "content": turn}]
+    msgs.append({"role": "user", "content": BN_QUESTION})
+    params = SamplingParams(max_new_tokens=32)
+    prepared = prepare_chat(backend, msgs, params)
+    assert prepared.dropped > 0 and "dropped" in prepared.notice
+    assert prepared.messages[0]["role"] == "system" and prepared.messages[-1]["content"] == BN_QUESTION
+    assert len(prepared.ids) <= backend.n_ctx - 32
+    kept_first_user = next(m["content"] for m in prepared.messages if m["role"] == "user")
+    assert not kept_first_user.startswith("0 ")  # the oldest turn went first
+
+
+def test_prompt_longer_than_context_is_a_clear_error(backend):
+    huge = "বাংলা ভাষা " * 400
+    with pytest.raises(PromptTooLong, match="context is 256 tokens"):
+        chat_stream(backend, [{"role": "user", "content": huge}], SamplingParams())
+    with pytest.raises(PromptTooLong, match="shorten"):
+        completion_stream(backend, huge, SamplingParams())
+
+
+def test_chat_session_keeps_turns(backend):
+    session = ChatSession(backend, system="তুমি একজন সহকারী।")
+    _, stream = session.ask(BN_QUESTION, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert isinstance(stream, TextStream)
+    reply = "".join(stream)
+    session.commit(stream)
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
+    assert session.messages[-1]["content"] == reply
+    session.reset()
+    assert [m["role"] for m in session.messages] == ["system"]
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "serving", *args], input=stdin, capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=120)
+
+
+def test_cli_one_shot_and_interactive(serve_run):  # noqa: F811
+    p = run_cli(str(serve_run), "--prompt", BN_QUESTION, "--temperature", "0", "--max-tokens", "24", "--stats",
+                "--threads", "1")
+    assert p.returncode == 0, p.stderr
+    assert bangla_chars(p.stdout) > 0 and "tok/s" in p.stderr
+    p = run_cli(str(serve_run), "--temperature", "0", "--max-tokens", "8", stdin=f"{BN_QUESTION}\n/reset\nহ্যালো\n")
+    assert p.returncode == 0, p.stderr
+    assert "conversation cleared" in p.stderr and bangla_chars(p.stdout) > 0
+
+
+def test_cli_errors_are_one_line(serve_run, tmp_path):  # noqa: F811
+    p = run_cli(str(tmp_path / "missing"), "--prompt", "x")
+    assert p.returncode == 2 and p.stderr.startswith("error: model not found") and "Traceback" not in p.stderr
+    p = run_cli(str(serve_run), "--prompt", "x", "--top-p", "0")
+    assert p.returncode == 2 and "top_p" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = run_cli(str(serve_run), "--prompt", "বাংলা " * 600)
+    assert p.returncode == 2 and "context" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_threads_are_applied(serve_run):  # noqa: F811
+    before = torch.get_num_threads()
+    try:
+        TorchBackend(serve_run, threads=1)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ServingError, match="threads"):
+            TorchBackend(serve_run, threads=0)
+    finally:
+        torch.set_num_threads(before)
