@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from training.model import ModelConfig, Transformer
@@ -205,6 +205,19 @@ def unreadable_tensors(path: Path, err: Exception) -> str:
         return (f"{path} is a pickle (torch.save) file, not safetensors; refused: prodip never unpickles, since "
                 "loading a pickle can run arbitrary code. Re-save the tensors with safetensors")
     return f"{path}: truncated or corrupted safetensors file ({err})"
+
+
+def check_readable(c: Path) -> None:
+    """Headers and sizes of a checkpoint's tensor files (cheap: nothing is read), so a resume can fail
+    before it writes anything into the run folder."""
+    for f in (c / MODEL_FILE, c / OPTIM_FILE):
+        if f.name == OPTIM_FILE and not f.is_file():
+            continue
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(unreadable_tensors(f, e)) from None
 
 
 @dataclass

@@ -160,13 +160,15 @@ def pretraining_batches(cfg: TrainConfig, d: D.Dist) -> Batches:
     bpt = None
     if (data / "val").is_dir() and any((data / "val").glob("shard_*.bin")):
         vstream = TokenStream(data, "val", vocab_size=tok.vocab_size, tokenizer_sha256=tok.sha256)
-        if vstream.n_tokens > cfg.seq_len + 1:
-            vloader = WindowLoader(vstream, cfg.seq_len, seed=0, shuffle=False)
+        if (vstream.n_tokens - 1) // cfg.seq_len >= d.world_size:  # every rank needs a window
+            vloader = WindowLoader(vstream, cfg.seq_len, seed=0, shuffle=False, rank=d.rank, world_size=d.world_size)
 
             def val_batches(n: int, _v=vloader) -> list[tuple]:
+                # n global batches of batch_size x world rows, each rank its share: the same
+                # validation windows (and val_loss) whatever the world size at equal global batch
                 _v.consumed = 0
-                k = min(n, max(1, _v.n_windows // cfg.batch_size))
-                return [_v.next_batch(min(cfg.batch_size, _v.n_windows)) for _ in range(k)]
+                k = min(n, max(1, _v.n_windows // (cfg.batch_size * d.world_size)))
+                return [_v.next_batch(min(cfg.batch_size, _v.n_windows // d.world_size)) for _ in range(k)]
 
             vs = meta.get("splits", {}).get("val", {})
             if vs.get("n_bytes") and vs.get("n_tokens"):
@@ -203,6 +205,7 @@ def prepare_run_dir(cfg: TrainConfig, model_cfg: ModelConfig, tok: Tokenizer, fo
     if latest is None:
         return None
     st = json.loads((latest / ckpt.STATE_FILE).read_text())
+    ckpt.check_readable(latest)  # a truncated checkpoint fails here, before config.json is rewritten
     if st.get("tokenizer_sha256") != tok.sha256:
         raise TrainError(f"cannot resume {latest}: it was trained with another tokenizer than {cfg.data}/tokenizer.model "
                          "(data prepared with a different tokenizer); use the original data or another --out")
@@ -235,6 +238,7 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     out = Path(cfg.out)
     resume_from = prepare_run_dir(cfg, model_cfg, tok, force, d)
+    d.barrier()  # every rank has read the run folder before rank 0 writes into it
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / (RUN_CONFIG + ".tmp")  # atomic: a kill mid-write must not leave an unreadable config.json
@@ -294,6 +298,11 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
                                      batches=batches, cfg=cfg, model_cfg=model_cfg, device=device, autocast=autocast,
                                      dist=d, flops_per_token=fpt, peak_flops=peak)
         report.extend(gates.run_preflight(ctx, skip=cfg.skip_gates))
+        failed_ranks = d.ranks_where(not report.passed, device)  # one verdict for all ranks
+        if failed_ranks and report.passed:
+            report.results.append(gates.GateResult("all_ranks", False, value=float(len(failed_ranks)), threshold="0",
+                                                   detail=f"pre-flight gates failed on rank(s) {failed_ranks}; "
+                                                          "see their errors"))
         if d.is_main:
             report.save(out / "gates.json")
             say(report.table())
@@ -322,12 +331,10 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
             batch = batches.train.next_batch(cfg.batch_size)
             x, y = batch[0].to(device), batch[1].to(device)
             mask = batch[2].to(device) if len(batch) > 2 else None
-            sync = contextlib.nullcontext()
-            if d.enabled and not cfg.fsdp and micro < cfg.grad_accum - 1:
-                sync = model.no_sync()
-            with sync, autocast():
-                _, loss = fwd(x, y, loss_mask=mask)
-            with sync:
+            sync = D.grad_sync(model, d, fsdp=cfg.fsdp, last_micro=micro == cfg.grad_accum - 1)
+            with sync:  # entered once: DDP's no_sync() cannot be re-entered
+                with autocast():
+                    _, loss = fwd(x, y, loss_mask=mask)
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
         loss_val = d.mean(loss_sum / cfg.grad_accum).item()
@@ -353,11 +360,17 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
             gf = gates.gradient_flow_from_grads(params)
             if not gf.passed:
                 raise gates.GateError(f"step {step}: runtime gradient-flow check failed: {gf.detail}")
+        spike = monitor.observe(step, loss_val)
+        if spike and cfg.on_spike == "skip":  # runtime gate: a spiking batch's update is dropped
+            optimizer.zero_grad(set_to_none=True)
+            log.write({"event": "loss_spike_skipped", "step": step, "loss": loss_val, "loss_spike_z": spike})
+            say(f"warning: step {step}: loss spike (z={spike:.1f}); batch skipped (--on-spike skip)")
+            tokens_seen += tokens_per_step
+            continue
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens_seen += tokens_per_step
         thr.update(tokens_seen)
-        spike = monitor.observe(step, loss_val)
 
         rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                "tokens_per_s": _num(thr.tokens_per_s), "mfu": thr.mfu, "elapsed_s": round(thr.elapsed, 3)}
@@ -425,7 +438,7 @@ def progress_line(rec: dict, step: int, total: int, thr: Throughput, val: dict |
 
 def save(out: Path, step: int, raw, model, optimizer, batches: Batches, cfg: TrainConfig, tokens: int, thr: Throughput,
          device, d: D.Dist, kind: str) -> None:
-    weights = D.full_model_state(model)  # collective under FSDP: every rank calls it
+    weights = D.full_model_state(model, rank0_only=True)  # collective under FSDP: every rank calls it
     optim_sd = D.full_optimizer_state(model, optimizer)
     if d.is_main:
         tensors, groups = ckpt.flatten_optimizer(optim_sd, [])
