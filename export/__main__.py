@@ -1,0 +1,150 @@
+"""python -m export {safetensors,onnx,gguf,all,parity} RUN_DIR|CHECKPOINT_DIR [--out DIR] [--step N] [--force]
+
+Writes under RUN_DIR/export/ by default (hf/, onnx/, gguf/, manifest.json, README.md) and prints what
+it wrote, with sizes. Every export ends with a parity run against the PyTorch checkpoint (parity.json,
+parity.md, the card's table); the command exits 1 when a parity threshold is breached, 2 on bad input.
+
+GGUF types: --f32 --f16 --q8 (Q8_0) --q4 (Q4_K_M) and --type NAME for any llama.cpp file type
+(default: F16, Q8_0 and Q4_K_M). ONNX: fp32 always, plus --int8 / --int4.
+Parity thresholds: --threshold KIND.METRIC=VALUE (e.g. llama.cpp-Q4_K_M.kl=0.08), see export.parity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from export.manifest import Manifest, Source, default_out_dir, human_size, load_source
+
+COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity")
+DEFAULT_GGUF = ("F16", "Q8_0", "Q4_K_M")
+EXIT_PARITY, EXIT_USAGE = 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=COMMANDS)
+    p.add_argument("path", type=Path, metavar="RUN_DIR|CHECKPOINT_DIR")
+    p.add_argument("--out", type=Path, help="export folder (default RUN_DIR/export)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--force", action="store_true", help="overwrite existing exports")
+    g = p.add_argument_group("gguf")
+    g.add_argument("--f32", action="store_true")
+    g.add_argument("--f16", action="store_true")
+    g.add_argument("--q8", action="store_true", help="Q8_0")
+    g.add_argument("--q4", action="store_true", help="Q4_K_M")
+    g.add_argument("--type", action="append", default=[], metavar="NAME", help="any llama.cpp file type, e.g. Q5_K_M")
+    g.add_argument("--threads", type=int, default=None, help="quantizer threads (default: all cores)")
+    o = p.add_argument_group("onnx")
+    o.add_argument("--int8", action="store_true")
+    o.add_argument("--int4", action="store_true")
+    q = p.add_argument_group("parity")
+    q.add_argument("--no-parity", action="store_true", help="skip the parity run after exporting")
+    q.add_argument("--threshold", action="append", default=[], metavar="KIND.METRIC=VALUE")
+    q.add_argument("--new-tokens", type=int, default=None, help="greedy continuation length (default 16)")
+    q.add_argument("--texts", type=Path, help="extra texts (one per line) for tokenizer parity")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def gguf_types(args: argparse.Namespace) -> list[str]:
+    flags = [t for f, t in (("f32", "F32"), ("f16", "F16"), ("q8", "Q8_0"), ("q4", "Q4_K_M")) if getattr(args, f)]
+    return flags + list(args.type) or list(DEFAULT_GGUF)
+
+
+def _report(paths: list[Path], t0: float) -> None:
+    for p in paths:
+        print(f"wrote {p} ({human_size(p.stat().st_size)})")
+    print(f"  in {time.perf_counter() - t0:.1f} s")
+
+
+def export_onnx_files(src: Source, out: Path, manifest: Manifest, args: argparse.Namespace) -> list[Path]:
+    from export.onnx import export_onnx  # another engineer's module; imported only when asked for
+
+    paths = export_onnx(src.path, out / "onnx", int8=args.int8, int4=args.int4, force=args.force)
+    for p in paths:
+        variant = {"model.onnx": "fp32", "model-int8.onnx": "int8", "model-int4.onnx": "int4"}.get(p.name, p.suffix.lstrip("."))
+        manifest.add(p, "onnx", variant)
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    from export.card import write_card
+    from export.parity import parse_thresholds, run_parity
+
+    thresholds = parse_thresholds(args.threshold)  # bad flags fail before any work
+    if args.texts and not args.texts.is_file():
+        raise FileNotFoundError(f"--texts file not found: {args.texts}")
+    extra = args.texts.read_text(encoding="utf-8").splitlines() if args.texts else []
+    if args.command in ("gguf", "all"):
+        from export.gguf import canonical_type
+
+        for t in gguf_types(args):  # an unknown type fails before the checkpoint is read
+            canonical_type(t)
+    src = load_source(args.path, args.step)
+    out = args.out or default_out_dir(src)
+    if args.command == "parity":
+        manifest = Manifest.read(out)
+        if manifest.data["source"]["checkpoint"] != str(src.path.resolve()):
+            print(f"note: {out} holds exports of {manifest.data['source']['checkpoint']}", file=sys.stderr)
+            src = load_source(manifest.data["source"]["checkpoint"])
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        manifest = Manifest.open(out, src, force=args.force)
+        if args.command in ("safetensors", "all"):
+            from export.hf import export_hf
+
+            t0 = time.perf_counter()
+            _report(export_hf(src, out, manifest, force=args.force), t0)
+            manifest.save()
+        if args.command in ("onnx", "all"):
+            t0 = time.perf_counter()
+            _report(export_onnx_files(src, out, manifest, args), t0)
+            manifest.save()
+        if args.command in ("gguf", "all"):
+            from export.gguf import export_gguf
+            from export.modelfile import write_modelfiles
+
+            t0 = time.perf_counter()
+            paths = export_gguf(src, out, gguf_types(args), manifest, force=args.force, nthread=args.threads)
+            _report(paths, t0)
+            for rel, e in manifest.files("gguf").items():
+                for f in e.get("fallbacks", []):
+                    print(f"warning: {rel}: {f['tensor']} (width {f['width']}) stored as {f['type']}, not {e['type']}")
+            ggufs = {e["type"]: out / rel for rel, e in manifest.files("gguf").items() if (out / rel).is_file()}
+            for p in write_modelfiles(ggufs, src.config.max_seq_len):
+                print(f"wrote {p}")
+        print(f"wrote {manifest.save()}")
+    passed = True
+    if args.command == "parity" or not args.no_parity:
+        kw = {"n_new": args.new_tokens} if args.new_tokens else {}
+        report = run_parity(out, src, thresholds=thresholds, extra_texts=extra,
+                            progress=lambda m: print(m, file=sys.stderr), **kw)
+        print(report.table())
+        print(f"wrote {out / 'parity.json'} and {out / 'parity.md'}")
+        passed = report.passed
+        if not passed:
+            print("error: parity thresholds breached (see parity.md)", file=sys.stderr)
+    print(f"wrote {write_card(src, out, manifest)}")
+    return 0 if passed else EXIT_PARITY
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.new_tokens is not None and args.new_tokens < 1:
+        print("error: --new-tokens must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:  # our errors are ValueError subclasses with a one-line message
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The model card: README.md in the export folder (config, size, tokenizer fertility, gates, files,
+parity), rebuilt after every export from what is on disk."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from export.manifest import Manifest, Source, human_size
+from export.parity import PARITY_MD
+from training.model import count_params
+
+CARD = "README.md"
+REPORT = "report.json"  # written by training.prepare into the data folder
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def data_report(src: Source) -> tuple[Path | None, dict | None]:
+    """The tokenizer fertility report of the run's data folder (RUN_DIR/config.json train.data)."""
+    if src.run_dir is None:
+        return None, None
+    run_cfg = _read_json(src.run_dir / "config.json") or {}
+    data = (run_cfg.get("train") or {}).get("data")
+    if not data:
+        return None, None
+    for base in (Path(data), src.run_dir / data, src.run_dir.parent / data):
+        if (base / REPORT).is_file():
+            return base, _read_json(base / REPORT)
+    return Path(data), None
+
+
+def gates_table(src: Source) -> str | None:
+    from training.gates import GateReport, GateResult
+
+    g = _read_json(src.run_dir / "gates.json") if src.run_dir else None
+    if not g or "results" not in g:
+        return None
+    known = {f.name for f in fields(GateResult)}
+    try:
+        rep = GateReport([GateResult(**{k: v for k, v in r.items() if k in known}) for r in g["results"]],
+                         g.get("skipped_by_user", []))
+    except TypeError:
+        return None
+    return f"{rep.table()}\n\n{rep.summary()}"
+
+
+def render(src: Source, out_dir: Path, manifest: Manifest) -> str:
+    cfg = src.config
+    total, non_emb = count_params(cfg), count_params(cfg, non_embedding=True)
+    out = [f"# {src.name}", "",
+           "A Bangla-first Llama language model trained with prodip, exported to Hugging Face safetensors, "
+           "ONNX and GGUF (llama.cpp / ollama), with cross-backend logit parity checked against the "
+           "PyTorch checkpoint.", "",
+           "## Source", "",
+           f"- checkpoint: `{manifest.data['source']['checkpoint']}` (step {src.step})",
+           f"- tokenizer sha256: `{src.tokenizer.sha256}`",
+           f"- prodip {manifest.data['prodip_version']}", "",
+           "## Model", "",
+           f"Parameters: {total:,} ({non_emb:,} non-embedding). Llama decoder: RMSNorm, SwiGLU, grouped-query "
+           "attention, rotate-half RoPE, no biases.", "",
+           "| setting | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in cfg.to_dict().items()]
+    data_dir, report = data_report(src)
+    out += ["", "## Tokenizer", "",
+            f"SentencePiece BPE, {cfg.vocab_size:,} pieces, byte fallback, no dummy prefix; text is "
+            "normalized to NFC (training.text.normalize) before tokenization everywhere. Chat: ChatML "
+            "(`<|im_start|>` / `<|im_end|>`).", ""]
+    report = (report or {}).get("fertility", report)  # prepare nests it under "fertility"
+    if report and "languages" in report:
+        from training.fertility import format_table
+
+        out += [f"Fertility on held-out text of `{data_dir}`:", "", format_table(report), ""]
+    gates = gates_table(src)
+    if gates:
+        out += ["## Training gates", "", gates, ""]
+    out += ["## Files", "", "| file | format | type | size | sha256 |", "|---|---|---|---:|---|"]
+    for rel, e in sorted(manifest.files().items()):
+        out.append(f"| `{rel}` | {e['format']} | {e['type']} | {human_size(e['size'])} | `{e['sha256'][:16]}…` |")
+    fallbacks = {rel: e["fallbacks"] for rel, e in manifest.files("gguf").items() if e.get("fallbacks")}
+    if fallbacks:
+        out += ["", "K-quant fallbacks (tensors llama.cpp stored in another type than asked):", ""]
+        out += [f"- `{rel}`: " + ", ".join(f"{f['tensor']} → {f['type']}" for f in fl) for rel, fl in fallbacks.items()]
+    parity = out_dir / PARITY_MD
+    if parity.is_file():
+        body = parity.read_text(encoding="utf-8").split("\n", 2)[-1]  # drop its "# Parity" title
+        out += ["", "## Parity", "", body.strip()]
+    out += ["", "## Use", "",
+            "```bash",
+            "# transformers (offline)",
+            "python -c \"from transformers import AutoModelForCausalLM, AutoTokenizer; "
+            "m = AutoModelForCausalLM.from_pretrained('hf'); t = AutoTokenizer.from_pretrained('hf')\"",
+            "# llama.cpp / ollama",
+            "ollama create prodip -f gguf/Modelfile && ollama run prodip",
+            "python -m serving gguf/<file>.gguf",
+            "```", ""]
+    return "\n".join(out)
+
+
+def write_card(src: Source, out_dir: Path, manifest: Manifest) -> Path:
+    path = out_dir / CARD
+    path.write_text(render(src, out_dir, manifest), encoding="utf-8")
+    return path

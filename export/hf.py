@@ -1,0 +1,130 @@
+"""Hugging Face export: the LlamaForCausalLM layout that transformers loads offline.
+
+    hf/config.json  model.safetensors  generation_config.json  tokenizer.model  tokenizer_config.json
+    special_tokens_map.json
+
+Weights keep our rotate-half RoPE layout (the same as HF's), renamed through export.names, in fp32;
+with tied embeddings lm_head.weight is not stored (tie_word_embeddings=true). The tokenizer is our
+SentencePiece model with `legacy: false` and `add_prefix_space: false`: transformers (5.x) then builds
+a tokenizer that gives the same ids as training.tokenizer (checked by export.parity).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from export import ExportError
+from export.manifest import Manifest, Source
+from export.names import to_hf
+from serving.backend import SamplingParams
+from training.chat import CHAT_TEMPLATE
+from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK
+
+HF_DIRNAME = "hf"
+WEIGHTS_FILE = "model.safetensors"
+FILES = ("config.json", WEIGHTS_FILE, "generation_config.json", "tokenizer.model", "tokenizer_config.json",
+         "special_tokens_map.json")
+
+
+def hf_config(src: Source) -> dict:
+    cfg, tok = src.config, src.tokenizer
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5.x
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": True,
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def generation_config(src: Source) -> dict:
+    tok, p = src.tokenizer, SamplingParams()
+    return {
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": [tok.eos_id, tok.im_end_id],  # a chat turn ends with <|im_end|>
+        "pad_token_id": tok.pad_id,
+        "do_sample": True,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "repetition_penalty": p.repetition_penalty,
+        "max_new_tokens": p.max_new_tokens,
+    }
+
+
+def tokenizer_config(src: Source) -> dict:
+    return {
+        "tokenizer_class": "LlamaTokenizer",
+        # legacy=False + add_prefix_space=False: no dummy "▁" before the text, as trained
+        "legacy": False,
+        "add_prefix_space": False,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "pad_token": PAD,
+        "additional_special_tokens": list(CHAT_SPECIALS),
+        "clean_up_tokenization_spaces": False,
+        "spaces_between_special_tokens": False,
+        "model_max_length": src.config.max_seq_len,
+        "chat_template": CHAT_TEMPLATE,
+        "sp_model_kwargs": {},
+    }
+
+
+def special_tokens_map() -> dict:
+    return {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD,
+            "additional_special_tokens": list(CHAT_SPECIALS)}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def export_hf(src: Source, out_dir: Path, manifest: Manifest, *, force: bool = False) -> list[Path]:
+    """Write the HF folder under `out_dir/hf`; returns the written paths."""
+    d = out_dir / HF_DIRNAME
+    if (d / WEIGHTS_FILE).exists() and not force:
+        raise ExportError(f"{d / WEIGHTS_FILE} exists; use --force to overwrite")
+    d.mkdir(parents=True, exist_ok=True)
+    # Renaming keys shares the tensors: one fp32 copy of the model in memory (safetensors needs all).
+    weights = {to_hf(name): t.contiguous() for name, t in src.tensors()}
+    tmp = d / (WEIGHTS_FILE + ".tmp")
+    save_file(weights, str(tmp), metadata={"format": "pt"})
+    del weights
+    tmp.replace(d / WEIGHTS_FILE)
+    _write_json(d / "config.json", hf_config(src))
+    _write_json(d / "generation_config.json", generation_config(src))
+    _write_json(d / "tokenizer_config.json", tokenizer_config(src))
+    _write_json(d / "special_tokens_map.json", special_tokens_map())
+    src.tokenizer.save(d / "tokenizer.model")
+    paths = [d / f for f in FILES]
+    for p in paths:
+        manifest.add(p, "hf", "F32" if p.name == WEIGHTS_FILE else p.suffix.lstrip("."))
+    return paths
