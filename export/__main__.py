@@ -71,6 +71,18 @@ def export_onnx_files(src: Source, out: Path, manifest: Manifest, args: argparse
     return paths
 
 
+def check_gates(src: Source) -> None:
+    """Nothing is exported from a run whose pre-flight gates failed (training.gates)."""
+    from training.gates import GATES_FILE, require_passed
+
+    if src.run_dir is None:
+        return
+    if (src.run_dir / GATES_FILE).is_file():
+        require_passed(src.run_dir)
+    else:
+        print(f"warning: {src.run_dir} has no {GATES_FILE}: its pre-flight gates were never recorded", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from export.card import write_card
     from export.parity import parse_thresholds, run_parity
@@ -85,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         for t in gguf_types(args):  # an unknown type fails before the checkpoint is read
             canonical_type(t)
     src = load_source(args.path, args.step)
+    check_gates(src)
     out = args.out or default_out_dir(src)
     if args.command == "parity":
         manifest = Manifest.read(out)
@@ -133,16 +146,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from training.gates import GateError
+
     args = build_parser().parse_args(argv)
     if args.new_tokens is not None and args.new_tokens < 1:
         print("error: --new-tokens must be >= 1", file=sys.stderr)
         return EXIT_USAGE
     try:
         return run(args)
-    except (ValueError, OSError) as e:  # our errors are ValueError subclasses with a one-line message
+    except (ValueError, OSError, GateError) as e:  # our errors carry a one-line message
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        first, _, _ = str(e).partition("\n")
+        print(f"error: {first}", file=sys.stderr)
         return EXIT_USAGE
 
 

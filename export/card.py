@@ -4,6 +4,7 @@ parity), rebuilt after every export from what is on disk."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -103,7 +104,18 @@ def render(src: Source, out_dir: Path, manifest: Manifest) -> str:
     return "\n".join(out)
 
 
+KEPT_SECTION = re.compile(r"<!-- prodip:([\w-]+):begin -->.*?<!-- prodip:\1:end -->", flags=re.S)
+
+
+def _kept_sections(text: str) -> str:
+    """Sections other commands own (evaluation results between <!-- prodip:NAME:begin/end -->
+    markers), carried over when the card is rebuilt so a re-export never erases them."""
+    return "\n\n".join(m.group(0) for m in KEPT_SECTION.finditer(text))
+
+
 def write_card(src: Source, out_dir: Path, manifest: Manifest) -> Path:
     path = out_dir / CARD
-    path.write_text(render(src, out_dir, manifest), encoding="utf-8")
+    kept = _kept_sections(path.read_text(encoding="utf-8")) if path.is_file() else ""
+    text = render(src, out_dir, manifest)
+    path.write_text(text + ("\n" + kept + "\n" if kept else ""), encoding="utf-8")
     return path

@@ -175,3 +175,21 @@ def test_untied_head_exports_to_gguf_and_hf(trained_run, tmp_path):  # noqa: F81
     hf = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True, dtype=torch.float32).eval()
     with torch.no_grad():
         assert np.abs(hf(torch.tensor([ids])).logits[0].numpy() - ref).max() <= FP32_TOL
+
+
+def test_run_with_failed_gates_is_not_exported(trained_run, tmp_path):  # noqa: F811
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("export"))
+    report = json.loads((run / "gates.json").read_text())
+    report["passed"] = False
+    report["results"][0]["passed"] = False
+    (run / "gates.json").write_text(json.dumps(report))
+    p = subprocess.run([sys.executable, "-m", "export", "gguf", str(run), "--f16", "--no-parity"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "nothing is exported" in p.stderr and "Traceback" not in p.stderr
+    assert not (run / "export").exists()

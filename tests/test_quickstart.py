@@ -30,7 +30,7 @@ def test_quickstart_runs_every_stage_then_reuses_them(tmp_path: Path) -> None:
     assert json.loads((out / "chat" / "config.json").read_text())["kind"] == "sft"
     export = out / "chat" / "export"
     assert sorted(p.name.split("-")[-1] for p in (export / "gguf").glob("*.gguf")) == \
-        ["F16.gguf", "F32.gguf", "Q4_K_M.gguf", "Q8_0.gguf"]
+        ["F16.gguf", "Q4_K_M.gguf", "Q8_0.gguf"]
     assert (export / "onnx" / "model.onnx").is_file() and (export / "hf" / "model.safetensors").is_file()
     parity = json.loads((export / "parity.json").read_text())
     assert parity["passed"], parity.get("summary")

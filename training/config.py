@@ -54,6 +54,7 @@ class TrainConfig:
     max_nonfinite_skips: int = 5
     spike_zscore: float = 6.0
     spike_window: int = 50
+    on_spike: str = "warn"  # warn | skip: a loss spike (z > spike_zscore) also drops that batch's update
     grad_flow_every: int = 100
     skip_gates: list[str] = field(default_factory=list)
     init: str = ""  # start from this checkpoint's weights (fine-tuning)
@@ -73,6 +74,8 @@ class TrainConfig:
             raise ConfigError(f"schedule must be cosine, wsd or constant, not {self.schedule!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite must be stop or skip, not {self.on_nonfinite!r}")
+        if self.on_spike not in ("warn", "skip"):
+            raise ConfigError(f"on_spike must be warn or skip, not {self.on_spike!r}")
         for name in ("batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")

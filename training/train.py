@@ -164,10 +164,10 @@ def pretraining_batches(cfg: TrainConfig, d: D.Dist) -> Batches:
             vloader = WindowLoader(vstream, cfg.seq_len, seed=0, shuffle=False, rank=d.rank, world_size=d.world_size)
 
             def val_batches(n: int, _v=vloader) -> list[tuple]:
-                # n global batches of batch_size x world rows, each rank its share: the same
-                # validation windows (and val_loss) whatever the world size at equal global batch
+                # n global batches (batch_size x grad_accum x world rows) in micro-batches, each rank
+                # its share: the same windows and val_loss however a global batch is split
                 _v.consumed = 0
-                k = min(n, max(1, _v.n_windows // (cfg.batch_size * d.world_size)))
+                k = min(n * cfg.grad_accum, max(1, _v.n_windows // (cfg.batch_size * d.world_size)))
                 return [_v.next_batch(min(cfg.batch_size, _v.n_windows // d.world_size)) for _ in range(k)]
 
             vs = meta.get("splits", {}).get("val", {})
@@ -311,13 +311,15 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
         say(report.summary())
 
     # the loop
+    if device.type == "cuda":  # peak_mem_gb in log.jsonl: the training steps' peak, not the gates'
+        torch.cuda.reset_peak_memory_stats(device)
     thr = Throughput(fpt, peak, d.world_size, cfg.gpu_hourly_usd)
     thr.elapsed_before = elapsed_before
     thr.update(tokens_seen)
     monitor = gates.RuntimeMonitor(cfg)
     params = [(n, p) for n, p in raw.named_parameters() if p.requires_grad]
-    last_val = None
-    step = start_step
+    last_val, rec = None, None
+    step = saved_step = start_step
     skips = 0
     while step < total_steps:
         step += 1
@@ -388,12 +390,15 @@ def _train(cfg: TrainConfig, d: D.Dist, force: bool, batches_factory, kind: str)
         stopping = cfg.stop_at and step >= cfg.stop_at
         if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stopping:
             save(out, step, raw, model, optimizer, batches, cfg, tokens_seen, thr, device, d, kind)
+            saved_step = step
         if stopping:
             say(f"stopping at step {step} (--stop-at); run the same command without it to continue")
             break
+    if step > saved_step:  # the last step's batch was skipped (non-finite/spike): still end on a checkpoint
+        save(out, step, raw, model, optimizer, batches, cfg, tokens_seen, thr, device, d, kind)
     log.close()
     summary = {"step": step, "tokens": tokens_seen, "elapsed_s": thr.elapsed, "run_dir": str(out),
-               "final_loss": rec["loss"] if step > start_step else None, **(last_val or {})}
+               "final_loss": rec["loss"] if rec else None, **(last_val or {})}
     say(f"done: {step} steps, {tokens_seen:,} tokens in {fmt_duration(thr.elapsed)}; run folder {out}")
     return summary
 

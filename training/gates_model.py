@@ -1,0 +1,324 @@
+"""Model pre-flight gates: compiled vs eager, overfit one batch, throughput (see training.gates).
+
+Each gate runs on the exact object that trains (`ctx.model`: after DDP/FSDP and torch.compile) or,
+when it must change weights, on a copy of it; none consumes training data, and every gradient it
+makes is cleared before it returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as tdist
+
+from training.gates import GateResult, PreflightContext, _local
+from training.model import count_params
+
+# compiled vs eager: relative L2 error ||a - b|| / ||b|| per tensor, (logits, gradients), by the
+# compute precision. fp32: reordered reductions (compile, fused kernels) stay near 1e-6; TF32 matmuls
+# (10-bit mantissa) near 1e-3; bf16 (8-bit mantissa, eps 7.8e-3) accumulates ~1e-2 through a deep
+# network, more in gradients. A wrong kernel (no gradient, a factor, another activation) is >= 0.3.
+TOLERANCE = {"fp32": (1e-3, 1e-3), "tf32": (1e-2, 2e-2), "fp16": (2e-2, 5e-2), "bf16": (5e-2, 1e-1)}
+PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+COMPARE_ROWS = 2  # rows of the real batch used for the comparison (the logits are B x T x V)
+
+OVERFIT_STEPS = 100  # budget; early stop at the target. tiny preset: 6-22 steps at lr 1e-3..1e-4
+OVERFIT_DROP = 0.5  # the loss must fall by at least this fraction
+OVERFIT_ROWS = 2
+
+THROUGHPUT_WARMUP = 1  # first call compiles/allocates: not timed
+THROUGHPUT_STEPS = 3  # medians of this many forward / backward timings
+MFU_FLOOR = 0.25  # enforced for models of at least MFU_MIN_PARAMS parameters, on CUDA
+MFU_MIN_PARAMS = 100_000_000
+MAX_BACKWARD_RATIO = 3.5  # backward ~2x forward is normal; the reference defect ran at ~30x
+RECOMPUTE_ALLOWANCE = 1.0  # activation checkpointing re-runs the forward inside the backward
+
+# Modules of these packages are the reference path (torch.distributed: FSDP2's generated classes).
+REFERENCE_MODULE_PREFIXES = ("training.model", "torch.nn", "torch.distributed")
+
+
+# ------------------------------------------------------------------------------------ helpers
+def zero_grads(model) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _dist_enabled(ctx: PreflightContext) -> bool:
+    return bool(getattr(ctx.dist, "enabled", False)) and tdist.is_available() and tdist.is_initialized()
+
+
+def _broadcast(ctx: PreflightContext, t: torch.Tensor | None) -> torch.Tensor | None:
+    """Rank 0's tensor on every rank (shapes may differ per rank: SFT batches are padded per batch)."""
+    if t is None:
+        return None
+    shape = torch.tensor(list(t.shape), device=t.device)
+    tdist.broadcast(shape, src=0)
+    out = t if tuple(shape.tolist()) == tuple(t.shape) else torch.empty(shape.tolist(), dtype=t.dtype, device=t.device)
+    tdist.broadcast(out, src=0)
+    return out
+
+
+def peek_batch(ctx: PreflightContext, rows: int | None = None, same_on_all_ranks: bool = False):
+    """The next real training batch (x, y, mask or None) on the device, without consuming it."""
+    loader = ctx.batches.train
+    state = loader.state_dict()
+    try:
+        batch = loader.next_batch(ctx.cfg.batch_size)
+    finally:
+        loader.load_state_dict(state)
+    x, y = batch[0], batch[1]
+    mask = batch[2] if len(batch) > 2 else None
+    if rows:
+        x, y = x[:rows], y[:rows]
+        mask = None if mask is None else mask[:rows]
+    x, y = x.to(ctx.device), y.to(ctx.device)
+    mask = None if mask is None else mask.to(ctx.device)
+    if same_on_all_ranks and _dist_enabled(ctx):
+        x, y, mask = _broadcast(ctx, x), _broadcast(ctx, y), _broadcast(ctx, mask)
+    return x, y, mask
+
+
+def autocast_dtype(ctx: PreflightContext) -> torch.dtype:
+    kind = torch.device(ctx.device).type
+    with ctx.autocast():
+        if torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+    return next(ctx.raw_model.parameters()).dtype
+
+
+def precision(ctx: PreflightContext) -> str:
+    """fp32 | tf32 | fp16 | bf16: what the matmuls of a training step actually compute in."""
+    p = PRECISION.get(autocast_dtype(ctx), "bf16")
+    if p == "fp32" and torch.device(ctx.device).type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return p
+
+
+def _sharded(model) -> bool:
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def _full_weights(ctx: PreflightContext) -> dict[str, torch.Tensor]:
+    if _sharded(ctx.raw_model):
+        from training import distributed as D
+
+        return D.full_model_state(ctx.model)  # a collective: every rank runs the gates
+    return {k: v.detach() for k, v in ctx.raw_model.state_dict().items()}
+
+
+def reference_model(ctx: PreflightContext):
+    """A fresh eager `training.model.Transformer` holding the trained object's weights."""
+    from training.model import Transformer
+
+    weights = _full_weights(ctx)
+    with torch.device(ctx.device):
+        ref = Transformer(ctx.model_cfg)
+    missing, unexpected = ref.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"the trained object's parameters do not match the reference model's "
+                         f"(missing {list(missing)[:4]}, unexpected {list(unexpected)[:4]})")
+    return ref.train(ctx.raw_model.training)
+
+
+def model_copy(ctx: PreflightContext):
+    """A trainable copy with the same code path (deepcopy keeps patched/fused submodules)."""
+    raw = ctx.raw_model
+    if _sharded(raw):  # FSDP2: DTensor parameters cannot be deep-copied into a local model
+        from training.model import Transformer
+
+        weights = _full_weights(ctx)
+        with torch.device(ctx.device):
+            m = Transformer(ctx.model_cfg)
+        m.load_state_dict(weights)
+        return m
+    m = copy.deepcopy(raw)
+    zero_grads(m)
+    return m
+
+
+def nonreference_paths(ctx: PreflightContext) -> list[str]:
+    """What makes the trained object differ from the plain eager reference implementation."""
+    out = []
+    if getattr(ctx.cfg, "compile", False):
+        out.append("torch.compile")
+    if getattr(ctx.raw_model, "activation_checkpointing", False):
+        out.append("activation checkpointing")
+    if _dist_enabled(ctx):
+        out.append("FSDP2" if getattr(ctx.cfg, "fsdp", False) else "DDP")
+    for name, m in ctx.raw_model.named_modules():
+        if "forward" in vars(m) or not type(m).__module__.startswith(REFERENCE_MODULE_PREFIXES):
+            out.append(f"{name or 'model'} ({type(m).__name__})")
+    return out
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both are zero, inf when only b is)."""
+    a, b = a.detach().double(), b.detach().double()
+    diff, ref = torch.linalg.vector_norm(a - b).item(), torch.linalg.vector_norm(b).item()
+    if not math.isfinite(diff):
+        return math.inf
+    if ref == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / ref
+
+
+# ------------------------------------------------------------------------- compiled vs eager
+def compiled_vs_eager(ctx: PreflightContext, rows: int = COMPARE_ROWS,
+                      tolerance: tuple[float, float] | None = None) -> GateResult:
+    """Logits and every parameter gradient of the trained object vs a fresh eager reference model.
+    `tolerance`: (logits, gradients) relative L2 error; default by the compute precision."""
+    name = "compiled_vs_eager"
+    prec = precision(ctx)
+    tol_logits, tol_grads = tolerance or TOLERANCE[prec]
+    paths = nonreference_paths(ctx)
+    # the same rows on every rank: DDP/FSDP average gradients, which then equal the local reference
+    x, y, mask = peek_batch(ctx, rows, same_on_all_ranks=True)
+    raw = ctx.raw_model
+
+    zero_grads(raw)
+    with ctx.autocast():
+        logits, loss = ctx.model(x, y, loss_mask=mask)
+    loss.backward()
+    got_logits = logits.detach().float()
+    del logits, loss
+    got = {n: (None if p.grad is None else _local(p.grad).detach().float().clone())
+           for n, p in raw.named_parameters() if p.requires_grad}
+    zero_grads(raw)
+
+    ref = reference_model(ctx)
+    with ctx.autocast():
+        ref_logits, ref_loss = ref(x, y, loss_mask=mask)
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    errors = {"logits": rel_error(got_logits, ref_logits.float())}
+    for n, g in got.items():
+        r = ref_params[n].grad
+        if g is None or r is None:
+            errors[f"{n}.grad"] = 0.0 if (g is None and r is None) else math.inf
+        else:
+            errors[f"{n}.grad"] = rel_error(g, r)
+    del ref, ref_logits, ref_loss
+    tol = {k: (tol_logits if k == "logits" else tol_grads) for k in errors}
+    worst = max(errors, key=lambda k: errors[k] / tol[k])  # nearest to (or furthest past) its tolerance
+    bad = [k for k, e in errors.items() if not e <= tol[k]]
+    where = ", ".join(paths) if paths else "plain eager path (nothing compiled or fused)"
+    detail = (f"{where}: worst {worst} rel. error {errors[worst]:.2e} ({prec} tolerance {tol[worst]:g}) over "
+              f"logits + {len(got)} gradients")
+    if bad:
+        shown = ", ".join(f"{k} {errors[k]:.2e}" for k in sorted(bad, key=lambda k: -errors[k] / tol[k])[:6])
+        detail = f"{len(bad)} tensors differ from the eager reference: {shown}; " + detail
+    return GateResult(name, not bad, value=errors[worst],
+                      threshold=f"rel. L2 error <= {tol_logits:g} (logits), {tol_grads:g} (gradients)", detail=detail)
+
+
+# ------------------------------------------------------------------------- overfit one batch
+def overfit_one_batch(ctx: PreflightContext, steps: int = OVERFIT_STEPS, drop: float = OVERFIT_DROP,
+                      rows: int = OVERFIT_ROWS) -> GateResult:
+    """A copy of the model, with the run's own optimizer, must cut its loss on one batch by `drop`."""
+    x, y, mask = peek_batch(ctx, rows)
+    m = model_copy(ctx)
+    m.train()
+    opt = ctx.optimizer_factory(m)
+    lr = opt.param_groups[0]["lr"]
+    clip = getattr(ctx.cfg, "grad_clip", 0.0)
+    losses: list[float] = []
+    for _ in range(steps + 1):
+        with ctx.autocast():
+            _, loss = m(x, y, loss_mask=mask)
+        lv = float(loss.item())
+        losses.append(lv)
+        if not math.isfinite(lv) or lv <= (1.0 - drop) * losses[0]:
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+    del m, opt
+    zero_grads(ctx.raw_model)  # a patched submodule may close over the original module
+    first, last = losses[0], losses[-1]
+    finite = all(math.isfinite(v) for v in losses)
+    achieved = 1.0 - min(losses) / first if finite and first > 0 else -math.inf
+    passed = finite and achieved >= drop
+    detail = (f"loss {first:.3f} -> {last:.3f} ({achieved:.0%} lower) in {len(losses) - 1} steps at lr {lr:g} "
+              f"on one batch of {x.shape[0]}x{x.shape[1]} tokens")
+    if not finite:
+        detail = "non-finite loss while overfitting; " + detail
+    elif not passed:
+        detail = ("the model cannot memorize one batch (broken optimizer, learning rate, loss or gradients?): "
+                  + detail)
+    return GateResult("overfit_one_batch", passed, value=achieved if finite else math.nan,
+                      threshold=f">= {drop:.0%} lower within {steps} steps", detail=detail)
+
+
+# ---------------------------------------------------------------------------------- throughput
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(ctx: PreflightContext, steps: int = THROUGHPUT_STEPS, warmup: int = THROUGHPUT_WARMUP):
+    """Median forward and backward seconds of the trained object on one real micro-batch, and its tokens."""
+    x, y, mask = peek_batch(ctx)
+    raw = ctx.raw_model
+    fwd, bwd = [], []
+    for i in range(warmup + steps):
+        zero_grads(raw)
+        _sync(ctx.device)
+        t0 = time.perf_counter()
+        with ctx.autocast():
+            _, loss = ctx.model(x, y, loss_mask=mask)
+        _sync(ctx.device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(ctx.device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        del loss
+    zero_grads(raw)
+    return statistics.median(fwd), statistics.median(bwd), int(x.numel())
+
+
+def throughput(ctx: PreflightContext, steps: int = THROUGHPUT_STEPS, warmup: int = THROUGHPUT_WARMUP,
+               enforce: bool | None = None, mfu_floor: float = MFU_FLOOR, min_params: int = MFU_MIN_PARAMS,
+               max_ratio: float = MAX_BACKWARD_RATIO) -> list[GateResult]:
+    """MFU of forward+backward and the backward/forward time ratio; enforced on CUDA, reported on CPU."""
+    kind = torch.device(ctx.device).type
+    enforce = kind == "cuda" if enforce is None else enforce
+    f, b, tokens = time_steps(ctx, steps, warmup)
+    note = "" if enforce else f" (measured, not enforced on {kind})"
+
+    if getattr(ctx.raw_model, "activation_checkpointing", False):
+        max_ratio += RECOMPUTE_ALLOWANCE
+    ratio = b / f if f > 0 else math.inf
+    ratio_ok = ratio <= max_ratio or not enforce
+    rdetail = (f"forward {f * 1e3:.1f} ms, backward {b * 1e3:.1f} ms per {tokens:,} tokens: backward/forward "
+               f"{ratio:.2f}{note}")
+    if ratio > max_ratio:
+        rdetail = f"backward is {ratio:.1f}x slower than forward (a slow or unfused backward kernel?); " + rdetail
+    out = [GateResult("throughput.backward_ratio", ratio_ok, value=ratio, threshold=f"<= {max_ratio:g}",
+                      detail=rdetail)]
+
+    n_params = count_params(ctx.model_cfg)
+    achieved = ctx.flops_per_token * tokens / (f + b)
+    applies = n_params >= min_params
+    if not ctx.peak_flops:
+        out.append(GateResult("throughput.mfu", True, value=None, threshold=f">= {mfu_floor:.0%}",
+                              detail=f"{achieved / 1e12:.3g} TFLOP/s achieved; peak FLOP/s unknown for {kind}, "
+                                     "MFU not computed"))
+        return out
+    mfu = achieved / ctx.peak_flops
+    ok = mfu >= mfu_floor or not enforce or not applies
+    scope = "" if applies else f" (floor applies from {min_params / 1e6:.0f} M params; this model has {n_params / 1e6:.1f} M)"
+    mdetail = (f"{achieved / 1e12:.3g} of {ctx.peak_flops / 1e12:.4g} peak TFLOP/s: MFU {mfu:.1%} over forward+"
+               f"backward{scope}{note}")
+    if mfu < mfu_floor and applies:
+        mdetail = f"MFU {mfu:.1%} is below the floor {mfu_floor:.0%}; " + mdetail
+    out.append(GateResult("throughput.mfu", ok, value=mfu, threshold=f">= {mfu_floor:.0%}", detail=mdetail))
+    return out
