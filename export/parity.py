@@ -35,9 +35,10 @@ from export.manifest import Manifest, Source, load_source
 from export.names import from_hf
 from serving.backend import SamplingParams
 from training import checkpoint
+from training.chat import render
 from training.model import Transformer
 from training.text import normalize
-from training.tokenizer import Tokenizer
+from training.tokenizer import BOS, Tokenizer
 
 PARITY_JSON, PARITY_MD = "parity.json", "parity.md"
 DEFAULT_NEW_TOKENS = 16
@@ -80,7 +81,8 @@ PROMPTS: tuple[str, ...] = (
     "শুভ জন্মদিন 🎉🎂 ভালো থেকো ❤️ 👍🏽",
     "লাইন এক\n\nলাইন   দুই\t\tশেষ  \n   \n",
 )
-CHAT_PROMPT = "<|im_start|>user\nতোমার নাম কী?<|im_end|>\n<|im_start|>assistant\n"
+# rendered by the one template, without its leading "<s>" (the tokenizers add BOS themselves here)
+CHAT_PROMPT = render([{"role": "user", "content": "তোমার নাম কী?"}]).removeprefix(BOS)
 LONG_FILLER = ("সে অনেক দিনের কথা। গ্রামের প্রান্তে একটি ছোট কুটিরে এক বৃদ্ধ মাঝি থাকত, "
                "প্রতিদিন ভোরে সে নৌকা নিয়ে নদীতে যেত আর সন্ধ্যায় ফিরে এসে গল্প শোনাত। ")
 

@@ -1,21 +1,34 @@
-"""One-command GPU validation (<= 8 minutes on one H100/H200):
+"""One-command GPU validation (about 5 minutes, at most 8, on one H100/H200):
 
-    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 16] [--steps 40] [--hourly-usd 3.0]
+    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 8] [--steps 40]
+                                   [--hourly-usd 3.0] [--data DATA_DIR] [--skip-1b]
 
-1. prepares a data folder from the shipped corpus (tokenizer + shards; random-token shards are
-   appended so the loader never repeats windows during the timing run),
-2. runs `training/train.py` with the pre-flight gates ON (gradient flow, compiled vs eager,
-   overfit, throughput with its MFU floor and backward/forward ratio, data, tokenizer) and a short
-   `400m` run with bf16 autocast, torch.compile, fused AdamW and SDPA flash attention,
-3. prints tokens/s, MFU (6N + attention FLOPs per token over the GPU's peak dense bf16 FLOP/s),
-   peak memory, backward/forward ratio, and the projected time and cost of 2 B tokens,
-   and writes them to RUN/gpu_validate.json and .md.
+1. data: prepares a folder from the shipped corpus (tokenizer + shards). The corpus is small, so the
+   train split is tiled (each copy shifted by a token, so no window repeats) until the timed run
+   never wraps around; --data uses a folder you prepared instead (e.g. your real 32k-vocab data).
+2. runs `training/train.py` on CUDA with the pre-flight gates ON (gradient flow, compiled vs eager,
+   overfit one batch, throughput with its MFU floor and backward/forward ratio, data, tokenizer),
+   then a short run of the preset with bf16 autocast, torch.compile, fused AdamW and SDPA (flash).
+3. prints tokens/s, MFU, peak memory (measured, and the estimate of docs/scale.md), the
+   backward/forward ratio, and the projected time and cost of 2 B tokens; writes them to
+   OUT/run-*/gpu_validate.json and .md.
+4. unless --skip-1b: a memory probe of the 1b preset (eager, 3 optimizer steps at seq 2048: micro-batch
+   4 without, and 16 with activation checkpointing), to check it fits an 80 GB GPU.
+
+MFU = tokens/s x FLOPs/token / peak dense bf16 FLOP/s of the GPU (training.metrics.PEAK_BF16_FLOPS),
+FLOPs/token = 6 N + 6 n_layers seq_len d_attn (training.model.flops_per_token; N counts the
+non-embedding parameters plus the output head's matmul). The shipped corpus supports a smaller
+vocabulary than the preset's 32768, so the timed model is the preset's shape with that vocabulary:
+MFU is computed for the model that actually ran, and the 2 B-token projection for the full preset
+assumes the same MFU (time scales with FLOPs/token).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,79 +37,225 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+PROJECT_TOKENS = 2_000_000_000  # the reference run's budget: 2 B tokens in 54.6 h for $164 on one H100
+REFERENCE_TOKENS_PER_S = 10_000
+HOURLY_USD = 3.0  # the reference run's price: $164 / 54.6 h
+GPU_MEMORY_TARGET_GB = 80.0  # the presets must fit an 80 GB H100/A100
+TRAIN_TIMEOUT_S = 420  # the train.py phase; with data prep and the 1b probe the script stays < 8 min
+PAD_FACTOR = 2  # tile the train split to this many times the tokens the timed run reads
+BOS_ID = 1
 
-def main() -> int:
+# Memory model (docs/scale.md), bytes. Measured on the eager model under bf16 autocast with
+# torch.autograd.graph.saved_tensors_hooks (SDPA's flash path: q, k, v, out and the log-sum-exp are
+# saved, never the T x T scores): per token and block, ~53 x d_model saved activations (400m: 54,344 B;
+# 1b: 107,656 B); with activation checkpointing only the block's fp32 input stays, 4 x d_model.
+STATE_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weights, fp32 gradients, AdamW exp_avg + exp_avg_sq
+BF16_COPY_BYTES_PER_PARAM = 2  # autocast's cached bf16 weight copies, alive through backward
+ACT_BYTES_PER_TOKEN_LAYER_PER_D = 53
+AC_BYTES_PER_TOKEN_LAYER_PER_D = 4
+# the head: bf16 logits (2 V) + their fp32 copy for the loss (4 V) + the fp32 logits gradient (4 V)
+HEAD_BYTES_PER_TOKEN_PER_V = 2 + 4 + 4
+
+
+def estimate_memory_gb(cfg, seq_len: int, batch: int, activation_checkpointing: bool) -> dict[str, float]:
+    """The docs/scale.md arithmetic: model state + activations of one micro-batch (GiB)."""
+    from training.model import count_params
+
+    n = count_params(cfg)
+    tokens = seq_len * batch
+    per_layer = (AC_BYTES_PER_TOKEN_LAYER_PER_D if activation_checkpointing else ACT_BYTES_PER_TOKEN_LAYER_PER_D)
+    acts = tokens * cfg.n_layers * per_layer * cfg.d_model
+    if activation_checkpointing:  # one block is recomputed, with its full activations, during backward
+        acts += tokens * ACT_BYTES_PER_TOKEN_LAYER_PER_D * cfg.d_model
+    head = tokens * HEAD_BYTES_PER_TOKEN_PER_V * cfg.vocab_size
+    gib = 2**30
+    out = {"state_gb": n * STATE_BYTES_PER_PARAM / gib, "bf16_weights_gb": n * BF16_COPY_BYTES_PER_PARAM / gib,
+           "activations_gb": acts / gib, "head_gb": head / gib}
+    out["total_gb"] = sum(out.values())
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def prepare_data(out: Path, need_tokens: int) -> Path:
+    """Tokenizer + shards from the shipped corpus, the train split tiled to `need_tokens`."""
     import numpy as np
-    import torch
 
-    from training.data import ShardWriter
-    from training.metrics import peak_flops
-    from training.model import count_params, flops_per_token, preset
+    from training.data import ShardWriter, TokenStream
     from training.tokenizer import Tokenizer
 
+    data = out / "data"
+    if (data / "meta.json").is_file():
+        meta = json.loads((data / "meta.json").read_text())
+        if meta["splits"]["train"]["n_tokens"] >= need_tokens:
+            return data
+    subprocess.check_call([sys.executable, "-m", "training.prepare", "--input", str(ROOT / "training/assets/corpus"),
+                           "--out", str(data), "--vocab-size", "32768", "--force", "--no-progress"], cwd=ROOT)
+    tok = Tokenizer.load(data / "tokenizer.model")
+    meta = json.loads((data / "meta.json").read_text())
+    base = TokenStream(data, "train").slice(0, meta["splits"]["train"]["n_tokens"])
+    # every copy starts with 1 or 2 <s> so that a copy's length is odd: windows (stride seq_len, a
+    # power of two) then fall at a different offset in each copy and never repeat exactly
+    prefix = [BOS_ID] * (1 if (len(base) + 1) % 2 else 2)
+    copy = np.concatenate([np.array(prefix, dtype=np.int64), base])
+    n_copies = -(-need_tokens // len(copy))
+    w = ShardWriter(out / "pad", tok.vocab_size, tok.sha256, shard_tokens=1 << 26)
+    for _ in range(n_copies):
+        w.add(copy)
+    w.close()
+    n = meta["splits"]["train"]["n_shards"]
+    for i, f in enumerate(sorted((out / "pad").glob("shard_*.bin"))):
+        os.replace(f, data / "train" / f"shard_{n + i:05d}.bin")
+    meta["splits"]["train"]["n_tokens"] += n_copies * len(copy)
+    meta["splits"]["train"]["n_shards"] = n + w.n_shards
+    (data / "meta.json").write_text(json.dumps(meta, indent=2))
+    return data
+
+
+def run_train(cmd: list[str], timeout_s: int) -> int:
+    """train.py in its own process group: on timeout the group is stopped and what it logged is kept."""
+    p = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    try:
+        return p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"warning: train.py still running after {timeout_s} s; stopped (figures from the steps logged)",
+              file=sys.stderr)
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        return 124
+
+
+def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: bool, steps: int = 3) -> dict:
+    """Peak GPU memory of `steps` eager optimizer steps (fused AdamW, bf16 autocast) of a preset."""
+    import torch
+
+    from training.model import Transformer, preset
+
+    cfg = preset(name)
+    dev = torch.device("cuda")
+    res = {"preset": name, "batch_size": batch, "seq_len": seq_len, "activation_checkpointing": activation_checkpointing,
+           "estimate": estimate_memory_gb(cfg, seq_len, batch, activation_checkpointing)}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    model = opt = None
+    try:
+        model = Transformer(cfg).to(dev)
+        model.activation_checkpointing = activation_checkpointing
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        res["eager_tokens_per_s"] = round(steps * batch * seq_len / (time.perf_counter() - t0))
+        res["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
+        res["fits_80gb"] = res["peak_mem_gb"] < GPU_MEMORY_TARGET_GB
+    except torch.OutOfMemoryError as e:
+        res["peak_mem_gb"] = None
+        res["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
+    finally:
+        del model, opt
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="400m")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=8, help="micro-batch (8 x 2048 fits 80 GB for 400m)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--hourly-usd", type=float, default=3.0)
+    ap.add_argument("--hourly-usd", type=float, default=HOURLY_USD, help="GPU price per hour (default: the reference's)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/prodip-gpu-validate"))
+    ap.add_argument("--data", type=Path, default=None, help="a prepared data folder to use instead of the corpus")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--skip-1b", action="store_true", help="skip the 1b memory probe")
+    ap.add_argument("--train-timeout-s", type=int, default=TRAIN_TIMEOUT_S)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's own logic (tiny presets)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
+
+    import numpy as np
+    import torch
+
+    from training.metrics import peak_flops
+    from training.model import ModelConfig, count_params, flops_per_token, preset
+
+    if a.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device; this script validates the GPU path", file=sys.stderr)
         return 2
+    t_start = time.time()
     a.out.mkdir(parents=True, exist_ok=True)
-    data = a.out / "data"
-    py = sys.executable
-    if not (data / "meta.json").is_file():
-        subprocess.check_call([py, "-m", "training.prepare", "--input", str(ROOT / "training/assets/corpus"),
-                               "--out", str(data), "--vocab-size", "8192", "--force"], cwd=ROOT)
-        # pad the train split with random tokens: timing needs more windows than the small corpus has
-        tok = Tokenizer.load(data / "tokenizer.model")
-        meta = json.loads((data / "meta.json").read_text())
-        need = a.steps * a.batch_size * a.grad_accum * a.seq_len * 3
-        w = ShardWriter(data / "train_pad", tok.vocab_size, tok.sha256, shard_tokens=need)
-        w.add(np.random.default_rng(0).integers(6, tok.vocab_size, need))
-        w.close()
-        n = meta["splits"]["train"]["n_shards"]
-        for i, f in enumerate(sorted((data / "train_pad").glob("shard_*.bin"))):
-            f.rename(data / "train" / f"shard_{n + i:05d}.bin")
-        meta["splits"]["train"]["n_tokens"] += need
-        (data / "meta.json").write_text(json.dumps(meta, indent=2))
-    run = a.out / f"run-{int(time.time())}"
-    cmd = [py, str(ROOT / "training/train.py"), "--preset", a.preset, "--data", str(data), "--out", str(run),
+    need = a.steps * a.batch_size * a.grad_accum * (a.seq_len + 1) * PAD_FACTOR
+    data = a.data or prepare_data(a.out, need)
+    run = a.out / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    cmd = [sys.executable, str(ROOT / "training/train.py"), "--preset", a.preset, "--data", str(data), "--out", str(run),
            "--max-steps", str(a.steps), "--batch-size", str(a.batch_size), "--grad-accum", str(a.grad_accum),
            "--seq-len", str(a.seq_len), "--lr", "1e-3", "--warmup-steps", "5", "--eval-every", "0",
-           "--save-every", "0", "--log-every", "5", "--device", "cuda", "--gpu-hourly-usd", str(a.hourly_usd)]
-    if not a.no_compile:
-        cmd.append("--compile")
+           "--save-every", "0", "--log-every", "5", "--device", a.device, "--gpu-hourly-usd", str(a.hourly_usd)]
+    cmd += [] if a.no_compile else ["--compile"]
+    cmd += ["--activation-checkpointing"] if a.activation_checkpointing else []
+    print("$ " + " ".join(cmd), flush=True)
     t0 = time.time()
-    rc = subprocess.call(cmd, cwd=ROOT)
+    rc = run_train(cmd, a.train_timeout_s)
     wall = time.time() - t0
+
     recs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()] if (run / "log.jsonl").exists() else []
+    recs = [r for r in recs if "loss" in r]
     gates = json.loads((run / "gates.json").read_text()) if (run / "gates.json").exists() else {}
-    steady = [r for r in recs if r.get("tokens_per_s")][len(recs) // 2:]  # after compile warm-up
+    gate = {g["name"]: g for g in gates.get("results", [])}
+    timed = [r for r in recs if r.get("tokens_per_s")]
+    steady = timed[len(timed) // 2:]  # the second half: past compilation, allocator warm-up
     tps = float(np.median([r["tokens_per_s"] for r in steady])) if steady else float("nan")
-    cfg = preset(a.preset)
-    peak, name = peak_flops(torch.device("cuda"))
-    fpt = flops_per_token(cfg, a.seq_len)
-    mfu = tps * fpt / peak if peak else None
-    bwd_fwd = next((g["value"] for g in gates.get("results", []) if g["name"] == "throughput.backward_forward_ratio"), None)
-    hours_2b = 2e9 / tps / 3600 if tps == tps else float("nan")
-    res = {"date": time.strftime("%Y-%m-%d"), "gpu": name, "torch": torch.__version__, "preset": a.preset,
-           "params": count_params(cfg), "seq_len": a.seq_len, "batch_size": a.batch_size, "grad_accum": a.grad_accum,
-           "compile": not a.no_compile, "exit_code": rc, "wall_s": round(wall, 1), "tokens_per_s": round(tps),
-           "flops_per_token": fpt, "peak_flops": peak, "mfu": mfu,
-           "mfu_formula": "tokens/s * (6 * N_nonembedding+head + 6 * n_layers * seq_len * d_attn) / peak dense bf16 FLOP/s",
-           "peak_mem_gb": max((r.get("peak_mem_gb", 0) for r in recs), default=None),
-           "backward_forward_ratio": bwd_fwd, "gates_passed": gates.get("passed"),
-           "projected_2B_tokens_hours": round(hours_2b, 2), "projected_2B_tokens_usd": round(hours_2b * a.hourly_usd, 2)}
+
+    ran = ModelConfig.from_dict(json.loads((run / "config.json").read_text())["model"]) if (run / "config.json").exists() \
+        else preset(a.preset)
+    full = preset(a.preset)
+    peak, gpu = peak_flops(torch.device(a.device))
+    fpt, fpt_full = flops_per_token(ran, a.seq_len), flops_per_token(full, a.seq_len)
+    mfu = tps * fpt / peak if peak and tps == tps else None
+    tps_full = tps * fpt / fpt_full  # the full preset (vocab 32768) at the same MFU
+    hours = PROJECT_TOKENS / tps_full / 3600 if tps_full > 0 else float("nan")
+    measured_mem = max((r["peak_mem_gb"] for r in recs if "peak_mem_gb" in r), default=None)  # CUDA only
+    res = {
+        "date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "preset": a.preset, "vocab_size_ran": ran.vocab_size, "params_ran": count_params(ran),
+        "params_preset": count_params(full), "seq_len": a.seq_len, "micro_batch": a.batch_size,
+        "grad_accum": a.grad_accum, "compile": not a.no_compile, "activation_checkpointing": a.activation_checkpointing,
+        "train_exit_code": rc, "train_wall_s": round(wall, 1), "steps_logged": len(recs),
+        "gates_passed": gates.get("passed"), "gates_failed": gates.get("failed"),
+        "tokens_per_s": round(tps) if tps == tps else None,
+        "flops_per_token": fpt, "peak_flops": peak,
+        "mfu": round(mfu, 4) if mfu is not None else None,
+        "mfu_formula": "tokens/s x (6 N + 6 n_layers seq_len d_attn) / peak dense bf16 FLOP/s; N = non-embedding "
+                       "params + output head",
+        "gate_mfu_fwd_bwd": gate.get("throughput.mfu", {}).get("value"),
+        "backward_forward_ratio": gate.get("throughput.backward_ratio", {}).get("value"),
+        "peak_mem_gb": measured_mem,
+        "peak_mem_estimate_gb": estimate_memory_gb(ran, a.seq_len, a.batch_size, a.activation_checkpointing)["total_gb"],
+        "projected_preset_tokens_per_s": round(tps_full) if tps_full == tps_full else None,
+        "projected_2B_tokens_hours": round(hours, 2), "projected_2B_tokens_usd": round(hours * a.hourly_usd, 2),
+        "speedup_vs_reference": round(tps_full / REFERENCE_TOKENS_PER_S, 1) if tps_full == tps_full else None,
+        "hourly_usd": a.hourly_usd,
+    }
+    if not a.skip_1b and a.device == "cuda":
+        res["memory_1b"] = [memory_probe("1b", a.seq_len, 4, False), memory_probe("1b", a.seq_len, 16, True)]
+    res["script_wall_s"] = round(time.time() - t_start, 1)
+    run.mkdir(parents=True, exist_ok=True)
     (run / "gpu_validate.json").write_text(json.dumps(res, indent=2))
-    md = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in res.items()]
+    md = ["| metric | value |", "|---|---|"] + [f"| {k} | {json.dumps(v) if isinstance(v, (list, dict)) else v} |"
+                                                for k, v in res.items()]
     (run / "gpu_validate.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+    print(f"\nwritten: {run / 'gpu_validate.json'}")
     return rc
 
 

@@ -1,44 +1,65 @@
 """torchrun on CPU (gloo, 2 processes): DDP equals a single process with the doubled batch, FSDP2
-likewise where gloo supports it, and kill-and-resume under DDP continues the same curve."""
+likewise, save/resume under both continues the same curve, the pre-flight gradient-flow gate judges
+the wrapped model on every rank, and the sharded data covers each window once per epoch."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, run_train
 
 from training import checkpoint as ckpt
 from training.data import TokenStream, WindowLoader
 
-COMMON = ["--preset", "tiny", "--seq-len", "64", "--max-steps", "8", "--eval-every", "4", "--save-every", "100",
-          "--log-every", "1000", "--lr", "3e-3", "--warmup-steps", "2", "--device", "cpu"]
+STEPS = 8
+COMMON = ["--preset", "tiny", "--seq-len", "64", "--max-steps", str(STEPS), "--eval-every", "4", "--save-every", "100",
+          "--log-every", "1000", "--lr", "3e-3", "--warmup-steps", "2", "--device", "cpu", "--eval-batches", "2"]
+TORCHRUN_TIMEOUT_S = 600
+FP32_TOL = 2e-5  # relative: DDP/FSDP reduce in a different order than one process (fp32 rounding only)
+FSDP_TOL = 1e-4  # FSDP2 also reduce-scatters and all-gathers in fp32: slightly more reordering
 
 
-def torchrun(*args: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
-           str(REPO / "training" / "train.py"), *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       timeout=600)
+def torchrun(script: Path, *args: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    # --standalone: a local c10d rendezvous on a free port (several test runs can share the machine)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=TORCHRUN_TIMEOUT_S,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and p.returncode != 0:
         raise AssertionError(f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-4000:]}")
     return p
+
+
+def train_dist(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return torchrun(REPO / "training" / "train.py", *args, check=check)
 
 
 def steps(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
 
 
-def assert_same_curve(a: list[dict], b: list[dict], tol: float = 2e-5) -> None:
-    assert [r["step"] for r in a] == [r["step"] for r in b]
+def assert_same_curve(a: list[dict], b: list[dict], tol: float = FP32_TOL) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= tol * max(1.0, abs(x["loss"])), (x["step"], x["loss"], y["loss"])
-        if "val_loss" in x:
-            assert abs(x["val_loss"] - y["val_loss"]) <= tol * max(1.0, abs(x["val_loss"]))
+        assert ("val_loss" in x) == ("val_loss" in y), x["step"]
+        if "val_loss" in x:  # the validation windows are sharded too: same set, same mean
+            assert abs(x["val_loss"] - y["val_loss"]) <= tol * max(1.0, abs(x["val_loss"])), x["step"]
+
+
+def assert_rank0_wrote_once(p: subprocess.CompletedProcess, run: Path) -> None:
+    """Rank 0 alone prints and logs: one banner, one gate table, each step recorded once."""
+    assert p.stdout.count("prodip pretrain:") == 1 and p.stdout.count("| gate |") <= 1, p.stdout[-2000:]
+    recs = [r["step"] for r in steps(run) if "loss" in r]
+    assert len(recs) == len(set(recs)), recs
+    assert not list((run / "checkpoints").glob(ckpt.TMP_PREFIX + "*"))
 
 
 @pytest.fixture(scope="module")
@@ -50,44 +71,134 @@ def single(bn_data: Path, tmp_path_factory) -> Path:
 
 def test_ddp_matches_single_process_with_double_batch(bn_data: Path, single: Path, tmp_path: Path) -> None:
     out = tmp_path / "ddp"
-    torchrun(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4")
+    p = train_dist(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4")
+    assert "2x cpu" in p.stdout and "DDP" in p.stdout
     assert json.loads((out / "config.json").read_text())["train"]["batch_size"] == 4
+    assert_rank0_wrote_once(p, out)
+    assert json.loads((out / "gates.json").read_text())["passed"]
     assert_same_curve(steps(single), steps(out))
-    # the DDP checkpoint is an ordinary one: the single-process reader loads it
-    w = ckpt.load(out).weights
-    ws = ckpt.load(single).weights
+    # the DDP checkpoint is an ordinary one: no "module." prefixes, and the single-process reader loads it
+    w, ws = ckpt.load(out).weights, ckpt.load(single).weights
+    assert set(w) == set(ws)
     assert max((w[k] - ws[k]).abs().max().item() for k in w) < 1e-4
+    model, ck = ckpt.load_model(out)
+    ref, _ = ckpt.load_model(single)
+    x = torch.randint(0, ck.config.vocab_size, (1, 32))
+    with torch.no_grad():
+        assert torch.allclose(model(x), ref(x), atol=1e-3)
+    assert ck.state["world_size"] == 2
 
 
 def test_ddp_kill_and_resume_continues_the_same_curve(bn_data: Path, single: Path, tmp_path: Path) -> None:
-    out = tmp_path / "ddp"
-    torchrun(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4", "--stop-at", "4")
-    assert ckpt.latest(out).name == ckpt.step_dir_name(4)
-    p = torchrun(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4")
+    # micro-batch 2 x grad-accum 2 x 2 ranks = the single run's 8 rows: exercises DDP's no_sync too
+    args = [*COMMON, "--data", str(bn_data), "--out", str(tmp_path / "ddp"), "--batch-size", "2", "--grad-accum", "2"]
+    train_dist(*args, "--stop-at", "4")
+    assert ckpt.latest(tmp_path / "ddp").name == ckpt.step_dir_name(4)
+    assert [r["step"] for r in steps(tmp_path / "ddp")] == [1, 2, 3, 4]
+    p = train_dist(*args)
     assert "resumed from" in p.stdout
-    assert_same_curve(steps(single), steps(out))
+    assert_same_curve(steps(single), steps(tmp_path / "ddp"))
 
 
-def test_fsdp2_matches_single_process(bn_data: Path, single: Path, tmp_path: Path) -> None:
+def _gloo_unsupported(stderr: str) -> str | None:
+    """The exact error when this torch's gloo backend lacks a collective FSDP2 needs."""
+    for line in stderr.splitlines():
+        if "gloo" in line.lower() and re.search(r"not (supported|implemented)", line, re.I):
+            return line.strip()
+    return None
+
+
+def test_fsdp2_matches_single_process_and_resumes(bn_data: Path, single: Path, tmp_path: Path) -> None:
     out = tmp_path / "fsdp"
-    p = torchrun(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4", "--fsdp", check=False)
-    if p.returncode != 0 and ("gloo" in p.stderr.lower() and "not supported" in p.stderr.lower()):
-        pytest.skip("FSDP2 collectives are not supported by this torch's gloo backend on CPU")
+    # 2 x grad-accum 2 x 2 ranks: gradient sync only on the last micro-batch (set_requires_gradient_sync)
+    args = [*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "2", "--grad-accum", "2", "--fsdp"]
+    p = train_dist(*args, "--stop-at", "4", check=False)
+    if p.returncode != 0 and (why := _gloo_unsupported(p.stderr)):
+        pytest.skip(f"FSDP2 on CPU: this torch's gloo backend lacks a collective: {why}")
     assert p.returncode == 0, p.stderr[-4000:]
-    assert_same_curve(steps(single), steps(out), tol=1e-4)
-    assert ckpt.load(out).config.n_layers == 2
+    assert "FSDP2" in p.stdout
+    # the FSDP2 checkpoint holds full (unsharded) tensors the single-process reader loads
+    model, ck = ckpt.load_model(out)
+    assert ck.state["step"] == 4 and ck.config.n_layers == 2
+    assert set(ck.weights) == set(ckpt.load(single).weights)
+    p = train_dist(*args)
+    assert "resumed from" in p.stdout
+    assert_rank0_wrote_once(p, out)
+    assert_same_curve(steps(single), steps(out), tol=FSDP_TOL)
+    w, ws = ckpt.load(out).weights, ckpt.load(single).weights
+    assert max((w[k] - ws[k]).abs().max().item() for k in w) < 1e-3
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_gradient_flow_gate_judges_the_wrapped_model_on_every_rank(bn_data: Path, tmp_path: Path, wrapper) -> None:
+    """A fused FFN whose backward returns zeros, planted in the object that trains: every rank's
+    gate names exactly its parameters (gathered from FSDP2 shards), and no rank starts training."""
+    out = tmp_path / "run"
+    extra = ["--fsdp"] if wrapper == "fsdp" else []
+    p = torchrun(REPO / "tests" / "gates_runner.py", "zero_grad_ffn", *COMMON, "--data", str(bn_data), "--out",
+                 str(out), "--batch-size", "4", *extra, check=False)
+    assert p.returncode != 0 and "pre-flight gates failed" in p.stderr, p.stderr[-3000:]
+    # each rank stops with its own one-line error (none hangs in a collective waiting for the other)
+    assert p.stderr.count("error: pre-flight gates failed") == 2, p.stderr[-3000:]
+    flow = next(r for r in json.loads((out / "gates.json").read_text())["results"] if r["name"] == "gradient_flow")
+    assert not flow["passed"]
+    named = set(re.findall(r"layers\.\d+\.[\w.]+\.weight", flow["detail"]))
+    assert named == {"layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight",
+                     "layers.0.feed_forward.w3.weight", "layers.0.ffn_norm.weight"}, flow["detail"]
+    assert not (out / "log.jsonl").exists() or not steps(out)
+    assert ckpt.latest(out) is None
+
+
+def test_a_gate_failing_on_one_rank_stops_every_rank(bn_data: Path, tmp_path: Path) -> None:
+    """Rank 1 alone fails its overfit gate (stale optimizer): rank 0's gates pass, yet it stops too,
+    and gates.json (written by rank 0) says why instead of claiming success."""
+    out = tmp_path / "run"
+    p = torchrun(REPO / "tests" / "fixtures_distributed.py", *COMMON, "--data", str(bn_data), "--out", str(out),
+                 "--batch-size", "4", check=False)
+    assert p.returncode != 0
+    assert re.search(r"gates FAILED: overfit_one_batch\n", p.stderr), p.stderr[-3000:]  # rank 1's own error
+    assert "gates FAILED: all_ranks" in p.stderr and "failed on rank(s) [1]" in p.stderr, p.stderr[-3000:]
+    report = json.loads((out / "gates.json").read_text())
+    assert not report["passed"] and report["failed"] == ["all_ranks"]
+    assert not (out / "log.jsonl").exists() or not steps(out)
 
 
 def test_sharded_windows_cover_each_window_once_per_epoch(bn_data: Path) -> None:
     stream = TokenStream(bn_data, "train")
-    world, b = 2, 3
-    loaders = [WindowLoader(stream, 64, seed=5, rank=r, world_size=world) for r in range(world)]
-    n = loaders[0].n_windows
-    seen = []
-    for _ in range(n // (world * b)):
-        for ld in loaders:
-            start = ld.consumed
-            ld.next_batch(b)
-            seen += [ld.window_index(start + i * world + ld.rank) for i in range(b)]
-    assert len(seen) == len(set(seen))  # no overlap between ranks, no repeats within the epoch
-    assert len(seen) == (n // (world * b)) * world * b  # no gaps: a full prefix of the permutation
+    for world, b in ((2, 3), (3, 2)):
+        loaders = [WindowLoader(stream, 64, seed=5, rank=r, world_size=world) for r in range(world)]
+        n = loaders[0].n_windows
+        steps_per_epoch = n // (world * b)
+        seen: list[int] = []
+        for _ in range(steps_per_epoch):
+            for ld in loaders:
+                x, _ = ld.next_batch(b)
+                # identify each row by content: the windows are what the model actually sees
+                seen += [_window_id(stream, row) for row in x]
+        assert len(seen) == len(set(seen)), world  # no overlap between ranks, no repeat within the epoch
+        assert len(seen) == steps_per_epoch * world * b  # every rank contributed every step
+        # no gaps: what the ranks drew together is exactly a prefix of the epoch's permutation
+        assert sorted(seen) == sorted(loaders[0].window_index(g) for g in range(len(seen)))
+        assert all(ld.consumed == len(seen) for ld in loaders)  # one global position, equal on all ranks
+
+
+def _window_id(stream: TokenStream, row: torch.Tensor) -> int:
+    """The window whose first seq_len tokens are `row` (searched among aligned windows)."""
+    cache = _window_id.__dict__.setdefault("cache", {})
+    key = id(stream)
+    if key not in cache:
+        n = (stream.n_tokens - 1) // 64
+        cache[key] = {stream.slice(i * 64, 64).tobytes(): i for i in range(n)}
+    return cache[key][row.numpy().astype("int64").tobytes()]
+
+
+def test_fused_adamw_steps_fsdp2_dtensors_like_the_unfused_one() -> None:
+    """train.py uses AdamW(fused=True) on CUDA; under FSDP2 it steps DTensor shards. The CPU fused
+    kernel goes through the same DTensor dispatch (aten._fused_adamw_), so check it here."""
+    p = torchrun(REPO / "tests" / "fixtures_distributed.py", "fused_adamw")
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        assert r["dtensor_params"]
+        assert r["moved"] > 1e-4  # the optimizer did step
+        assert r["max_diff"] < 1e-5, r

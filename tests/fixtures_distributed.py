@@ -1,0 +1,83 @@
+"""torchrun entry points for tests/test_distributed.py.
+
+`torchrun … tests/fixtures_distributed.py ARGS`: train.main with a defect on rank 1 only.
+
+Rank 1's optimizer factory builds optimizers over stale parameter copies, so its overfit-one-batch
+gate (which trains a local copy of the model on that rank's own batch) fails while rank 0's passes:
+the gate verdicts differ between ranks, and both ranks must still stop together.
+
+`torchrun … tests/fixtures_distributed.py fused_adamw`: the fused AdamW kernel (what train.py uses on
+CUDA) stepping FSDP2's DTensor parameters agrees with the unfused one; prints one JSON line per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE.parent), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import gates_plants as P  # noqa: E402
+
+import training.train as T  # noqa: E402
+
+FAULTY_RANK = 1
+
+
+def main(argv: list[str]) -> int:
+    base = T.make_optimizer
+    calls = {"n": 0}
+
+    def make_optimizer(model, cfg, device):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the first one is the training optimizer: left intact
+            return base(model, cfg, device)
+        return P.stale_optimizer(lambda m: base(m, cfg, device))(model)
+
+    if argv[:1] == ["fused_adamw"]:
+        return fused_adamw_on_dtensors()
+    if int(os.environ.get("RANK", "0")) == FAULTY_RANK:
+        T.make_optimizer = make_optimizer
+    return T.main(argv)
+
+
+def fused_adamw_on_dtensors(steps: int = 3) -> int:
+    import json
+
+    import torch
+
+    from training import distributed as D
+    from training.model import Transformer, preset
+
+    d = D.setup("cpu")
+    cpu = torch.device("cpu")
+    final = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = D.wrap(Transformer(preset("tiny")), d, fsdp=True, device=cpu)
+        initial = {k: v.clone() for k, v in D.full_model_state(model).items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=fused)
+        x = torch.randint(0, model.cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(d.rank))
+        for _ in range(steps):
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        final[fused] = D.full_model_state(model)
+        dtensor = all(hasattr(p, "full_tensor") for p in model.parameters())
+    diff = max((final[True][k] - final[False][k]).abs().max().item() for k in final[True])
+    moved = max((final[True][k] - initial[k]).abs().max().item() for k in final[True])
+    print(json.dumps({"rank": d.rank, "dtensor_params": dtensor, "max_diff": diff, "moved": moved}), flush=True)
+    D.teardown(d)
+    return 0
+
+
+if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(1)
+    sys.exit(main(sys.argv[1:]))
