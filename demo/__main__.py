@@ -1,6 +1,6 @@
 """python -m demo [--model PATH] [--host HOST] [--port PORT] [--share]
 
-Without --model: the quickstart's model (runs/quickstart/export/gguf/*-Q4_K_M.gguf, else the
+Without --model: the quickstart's model (runs/quickstart/chat/export/gguf/*-Q4_K_M.gguf, else the
 quickstart run's latest checkpoint), looked up under the current folder, then $PRODIP_HOME.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from training.cli import guarded
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,30 +26,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def run(args: argparse.Namespace) -> None:
+    from demo.models import default_model, discover_models
+
+    model = args.model if args.model is not None else default_model()
+    entries = discover_models(model)  # before importing Gradio: a missing model is reported at once
+    from demo.app import build_app, launch
+
+    app, pool = build_app(entries, threads=args.threads)
+    pool.get(entries[0].label)  # load the default now: a broken model fails here, not on first message
+    print(f"models: {', '.join(e.label for e in entries)}", file=sys.stderr)
+    try:
+        launch(app, host=args.host, port=args.port, share=args.share, block=True)
+    finally:
+        pool.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        from demo.models import default_model, discover_models
-
-        model = args.model if args.model is not None else default_model()
-        entries = discover_models(model)  # before importing Gradio: a missing model is reported at once
-        from demo.app import build_app, launch
-
-        app, pool = build_app(entries, threads=args.threads)
-        pool.get(entries[0].label)  # load the default now: a broken model fails here, not on first message
-        print(f"models: {', '.join(e.label for e in entries)}", file=sys.stderr)
-        try:
-            launch(app, host=args.host, port=args.port, share=args.share, block=True)
-        finally:
-            pool.close()
-    except (ValueError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return guarded(lambda: run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

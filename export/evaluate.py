@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.backend import Backend
+from training.cli import guarded
 from training.evaluate import (
     OUTPUT_FILES,
     EvalError,
@@ -167,13 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run_cli(args)
-    except (ValueError, OSError) as e:  # EvalError, ServingError, CheckpointError are ValueErrors
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return guarded(lambda: run_cli(args), debug=args.debug)  # EvalError, ServingError, ... are ValueErrors
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 from serving.backend import SamplingParams, load
 from serving.chat_session import ChatSession, TextStream, completion_stream
 from serving.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP, ServerConfig, parse_bind, serve
+from training.cli import guarded
 
 BACKENDS = ("llama.cpp", "onnx", "torch")
 PROMPT_MARK = ">>> "
@@ -87,40 +88,34 @@ def interactive(session: ChatSession, params: SamplingParams, show_stats: bool) 
             print(f"error: {e}", file=sys.stderr)
 
 
+def run(args: argparse.Namespace) -> None:
+    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repeat_penalty, seed=args.seed,
+                            stop=tuple(args.stop)).validate()
+    bind = parse_bind(args.http) if args.http else None
+    kwargs = {"threads": args.threads} if args.threads else {}
+    backend = load(args.model, backend=args.backend, **kwargs)
+    try:
+        if bind:
+            host, port = bind
+            print(f"serving {backend.name} ({args.model}) on http://{host}:{port}/v1", file=sys.stderr)
+            if host not in LOOPBACK:
+                print(f"note: bound to {host}: other machines can reach this server", file=sys.stderr)
+            serve(backend, host, port, ServerConfig(model_id=backend.name, max_body_bytes=args.max_body_bytes,
+                                                    max_tokens_cap=args.max_tokens_cap))
+        elif args.prompt is not None and args.raw:
+            _print_stream(completion_stream(backend, args.prompt, params), args.stats)
+        elif args.prompt is not None:
+            _chat_turn(ChatSession(backend, args.system), args.prompt, params, args.stats)
+        else:
+            interactive(ChatSession(backend, args.system), params, args.stats)
+    finally:
+        backend.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, repetition_penalty=args.repeat_penalty, seed=args.seed,
-                                stop=tuple(args.stop)).validate()
-        bind = parse_bind(args.http) if args.http else None
-        kwargs = {"threads": args.threads} if args.threads else {}
-        backend = load(args.model, backend=args.backend, **kwargs)
-        try:
-            if bind:
-                host, port = bind
-                print(f"serving {backend.name} ({args.model}) on http://{host}:{port}/v1", file=sys.stderr)
-                if host not in LOOPBACK:
-                    print(f"note: bound to {host}: other machines can reach this server", file=sys.stderr)
-                serve(backend, host, port, ServerConfig(model_id=backend.name, max_body_bytes=args.max_body_bytes,
-                                                        max_tokens_cap=args.max_tokens_cap))
-            elif args.prompt is not None and args.raw:
-                _print_stream(completion_stream(backend, args.prompt, params), args.stats)
-            elif args.prompt is not None:
-                _chat_turn(ChatSession(backend, args.system), args.prompt, params, args.stats)
-            else:
-                interactive(ChatSession(backend, args.system), params, args.stats)
-        finally:
-            backend.close()
-    except (ValueError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
+    return guarded(lambda: run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,9 @@ def _kill_at_random(p: subprocess.Popen, run: Path, rng: random.Random, base_ste
     if end_game and kind not in ("startup", "mid_save"):
         kind = rng.choice(["startup", "mid_save"])
     if kind == "startup":  # imports, resume load, log truncation, pre-flight gates, the first step
-        time.sleep(rng.uniform(0.0, 4.0))
+        # in the end game, only before the first step can run (importing torch alone takes longer):
+        # on a fast machine a later kill could let the run finish before all KILLS have landed
+        time.sleep(rng.uniform(0.0, 1.0 if end_game else 4.0))
     elif kind == "mid_step":
         first = f"step {base_step + 1}/{STEPS} "  # printed after this attempt's first step (the log is truncated by then)
         k = rng.randint(1, 2)

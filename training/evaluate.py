@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from training.cli import guarded
 from training.gates import GateResult
 from training.model import ModelConfig, Transformer
-from training.text import detect_language, normalize, script_counts
+from training.text import detect_language, normalize, read_utf8, script_counts
 from training.tokenizer import Tokenizer
 
 LN2 = math.log(2.0)
@@ -275,13 +276,7 @@ def read_text_docs(paths: Sequence[str | Path], max_chars: int = MAX_DOC_CHARS,
                    limit_chars: int | None = None) -> list[tuple[str, str]]:
     docs: list[tuple[str, str]] = []
     for p in paths:
-        p = Path(p)
-        if not p.is_file():
-            raise EvalError(f"text file not found: {p}")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise EvalError(f"{p}: not UTF-8 text ({e})") from None
+        text = read_utf8(p, "text file", EvalError)
         if limit_chars:
             text = text[:limit_chars]
         docs.extend(split_documents(text, max_chars))
@@ -926,13 +921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=TWIN_MARGIN, help="twin gate margin, nats/token")
     ap.add_argument("--fail-on-gate", action="store_true", help="exit 1 when the twin gate fails")
     args = ap.parse_args(argv)
-    try:
-        return run_cli(args)
-    except (ValueError, OSError) as e:  # EvalError, CheckpointError, TokenizerError are ValueErrors
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return guarded(lambda: run_cli(args), debug=args.debug)  # EvalError, CheckpointError, ... are ValueErrors
 
 
 if __name__ == "__main__":

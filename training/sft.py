@@ -45,9 +45,11 @@ from training import checkpoint as ckpt
 from training import distributed as D
 from training import train as T
 from training.chat import ChatError, encode, validate
+from training.cli import guarded
 from training.config import ConfigError, TrainConfig, load_toml
 from training.gates import GateResult
 from training.model import ModelConfig
+from training.text import read_utf8
 from training.tokenizer import Tokenizer, TokenizerError
 
 KIND = "sft"
@@ -119,12 +121,7 @@ def to_messages(obj: object, where: str) -> list[dict]:
 
 def read_records(path: str | os.PathLike) -> list[Record]:
     p = Path(path)
-    if not p.is_file():
-        raise SFTError(f"chat data not found: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SFTError(f"{p}: not UTF-8 text ({e})") from None
+    text = read_utf8(p, "chat data", SFTError)
     items: Iterable[tuple[str, object]]
     if text.lstrip().startswith("["):  # one JSON array (the original Alpaca release ships so)
         try:
@@ -553,21 +550,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, float | Non
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def go() -> None:
         cfg, epochs = config_from_args(args)
         run_sft(cfg, force=args.force, epochs=epochs)
-    except (*T.USER_ERRORS, T.TrainError, SFTError, TokenizerError) as e:
-        if args.debug:
-            raise
-        first, _, rest = str(e).partition("\n")
-        print(f"error: {first}", file=sys.stderr)
-        if rest:
-            print(rest, file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; resume by running the same command again", file=sys.stderr)
-        return 130
-    return 0
+
+    return guarded(go, debug=args.debug, errors=(*T.USER_ERRORS, T.TrainError, SFTError, TokenizerError, OSError),
+                   interrupted_hint=T.RESUME_HINT)
 
 
 if __name__ == "__main__":

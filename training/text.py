@@ -18,6 +18,7 @@ the tokenizer has whitespace pieces for it.
 from __future__ import annotations
 
 import unicodedata
+from pathlib import Path
 
 BOM = "\ufeff"
 ZWNJ = "\u200c"
@@ -68,3 +69,14 @@ def detect_language(text: str, threshold: float = 0.6) -> str:
         if c[lang] / total >= threshold:
             return lang
     return "other"
+
+
+def read_utf8(path: str | Path, what: str, error: type[Exception] = ValueError) -> str:
+    """The text of `path`, or `error` with one clear line when it is missing or not UTF-8."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} not found: {p}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{p}: not UTF-8 text ({e})") from None

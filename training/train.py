@@ -29,6 +29,7 @@ import torch
 from training import checkpoint as ckpt
 from training import distributed as D
 from training import gates
+from training.cli import guarded
 from training.config import ConfigError, TrainConfig, load_toml
 from training.data import DataError, TokenStream, WindowLoader, read_meta
 from training.metrics import StepLog, Throughput, fmt_duration, peak_flops
@@ -454,23 +455,17 @@ def save(out: Path, step: int, raw, model, optimizer, batches: Batches, cfg: Tra
     d.barrier()
 
 
+RESUME_HINT = "interrupted; resume by running the same command again"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-        train(cfg, force=args.force)
-    except (*USER_ERRORS, TrainError, OSError) as e:  # OSError: e.g. a full disk, a missing path
-        if args.debug:
-            raise
-        first, _, rest = str(e).partition("\n")
-        print(f"error: {first}", file=sys.stderr)
-        if rest:
-            print(rest, file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; resume by running the same command again", file=sys.stderr)
-        return 130
-    return 0
+
+    def go() -> None:
+        train(config_from_args(args), force=args.force)
+
+    # OSError: e.g. a full disk or a missing path
+    return guarded(go, debug=args.debug, errors=(*USER_ERRORS, TrainError, OSError), interrupted_hint=RESUME_HINT)
 
 
 if __name__ == "__main__":
