@@ -82,22 +82,28 @@ KINDS = ("startup", "mid_step", "after_save", "mid_save", "mid_save")  # each ro
 
 
 def _kill_at_random(p: subprocess.Popen, run: Path, rng: random.Random, base_step: int, stdout: Path,
-                    kind: str) -> str | None:
+                    kind: str, kills_left: int = 0) -> str | None:
     """Kill `p` at a random moment of the given kind; returns the kind, or None if it finished first."""
     deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
-    end_game = base_step >= END_GAME
+    # End game: only kills that cannot advance the run, once the steps left are few for the kills left
+    # (a fast machine gets through many steps per attempt, so this cannot be a fixed step number).
+    end_game = base_step >= END_GAME or STEPS - base_step <= kills_left + 4
     if end_game and kind not in ("startup", "mid_save"):
         kind = rng.choice(["startup", "mid_save"])
     if kind == "startup":  # imports, resume load, log truncation, pre-flight gates, the first step
-        # in the end game, only before the first step can run (importing torch alone takes longer):
-        # on a fast machine a later kill could let the run finish before all KILLS have landed
-        time.sleep(rng.uniform(0.0, 1.0 if end_game else 4.0))
+        # a random moment, but never past this attempt's first step: on a fast machine a fixed delay
+        # would let the run race ahead and finish before all KILLS have landed
+        t_end = time.monotonic() + rng.uniform(0.0, 0.5 if end_game else 4.0)
+        if not _wait(p, lambda: time.monotonic() >= t_end or len(_log_records(run)) > base_step, deadline):
+            return None
     elif kind == "mid_step":
         first = f"step {base_step + 1}/{STEPS} "  # printed after this attempt's first step (the log is truncated by then)
         k = rng.randint(1, 2)
         if not _wait(p, lambda: first in stdout.read_text() and len(_log_records(run)) >= base_step + k, deadline):
             return None
-        time.sleep(rng.uniform(0.0, 0.3))
+        t_end = time.monotonic() + rng.uniform(0.0, 0.3)  # inside the next step, not several steps later
+        if not _wait(p, lambda: time.monotonic() >= t_end or len(_log_records(run)) > base_step + k, deadline):
+            return None
     elif kind == "after_save":  # between the rename and the pruning / next log line
         if not _wait(p, lambda: _latest_step(run) > base_step, deadline):
             return None
@@ -145,7 +151,7 @@ def test_sigkill_20_times_resumes_exactly(bn_data, tmp_path):
                 if attempt % len(KINDS) == 0:
                     order = rng.sample(KINDS, len(KINDS))
                 kind = _kill_at_random(p, run, rng, base, tmp_path / f"attempt-{attempt:02d}.log",
-                                       order[attempt % len(KINDS)])
+                                       order[attempt % len(KINDS)], KILLS - sum(kinds.values()))
             out = (tmp_path / f"attempt-{attempt:02d}.log").read_text()
             if kind is None:  # finished before the kill landed: must have succeeded
                 assert p.returncode == 0, out
