@@ -30,13 +30,17 @@ class QuickstartError(RuntimeError):
     pass
 
 
-def run(stage: str, cmd: list[str]) -> None:
+EXIT_PARITY_BREACH = 1  # `python -m export`: files written, a parity threshold breached
+
+
+def run(stage: str, cmd: list[str], tolerate: tuple[int, ...] = ()) -> int:
     print(f"\n=== {stage}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
-    if rc != 0:
+    if rc != 0 and rc not in tolerate:
         raise QuickstartError(f"{stage} failed (exit {rc}); see the output above")
     print(f"=== {stage}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return rc
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -75,12 +79,19 @@ def main(argv: list[str] | None = None) -> int:
                         "--max-steps", str(a.sft_steps), "--batch-size", "8", "--seq-len", "256", "--lr", "1e-3",
                         "--warmup-steps", "10", "--eval-every", "40", "--save-every", "40", "--log-every", "10"])
         export_dir = chat / "export"
+        breached = False
         if not (export_dir / "parity.json").is_file():
-            run("export + parity", [py, "-m", "export", "all", str(chat), "--q8", "--q4", "--f16", "--int8", "--int4"])
+            breached = run("export + parity", [py, "-m", "export", "all", str(chat), "--q8", "--q4", "--f16", "--int8",
+                                               "--int4"], tolerate=(EXIT_PARITY_BREACH,)) == EXIT_PARITY_BREACH
+        elif not json.loads((export_dir / "parity.json").read_text()).get("passed", False):
+            breached = True
+        if breached:  # loud, but the demo still opens: parity.md says which backend breached which threshold
+            print(f"warning: parity thresholds breached, see {export_dir / 'parity.md'}; do not ship those files",
+                  file=sys.stderr)
         print(f"\nquickstart ready in {time.perf_counter() - t0:.0f} s: run folder {chat}, exports in {export_dir}, "
               f"parity report {export_dir / 'parity.md'}")
         if a.no_demo:
-            return 0
+            return EXIT_PARITY_BREACH if breached else 0
         from demo.models import QUICKSTART_GGUF_GLOB
 
         ggufs = sorted((export_dir / "gguf").glob(QUICKSTART_GGUF_GLOB))
