@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, SHARED_DATA
 
 from training.checkpoint import save, weights_for_save
 from training.model import ModelConfig, Transformer
 from training.text import normalize
 from training.tokenizer import Tokenizer, train_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+SHARED = SHARED_DATA
 CORPUS = REPO / "training" / "assets" / "corpus"
 BN_TRAIN = SHARED / "bn" / "train" / "majantali_bnarchive" / "RabindranathTagore_Prose_GalpaGuchchha_1.md"
 TRAIN_LINES = 3000

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, SHARED_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+ROOT = REPO
+SHARED = SHARED_DATA
 CORPUS = SHARED / "bn" / "train" / "majantali_bnarchive"
 TATOEBA = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
 VOCAB = 2048

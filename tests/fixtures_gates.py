@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from training import distributed as D
 from training.config import TrainConfig
@@ -20,7 +21,6 @@ from training.text import normalize
 from training.tokenizer import Tokenizer, train_tokenizer
 from training.train import autocast_for, make_optimizer, pretraining_batches
 
-REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "training" / "assets" / "corpus"
 VOCAB = 1024
 BYTE_VOCAB = 512

@@ -14,14 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, SHARED_DATA
 
 from training import checkpoint
 from training.model import Transformer, preset
 from training.text import normalize
 from training.tokenizer import train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED_BN = ROOT.parent / "shared" / "data" / "bn" / "train"
+ROOT = REPO
+SHARED_BN = SHARED_DATA / "bn" / "train"
 BUNDLED = ROOT / "training" / "assets" / "corpus"
 MAX_LINES = 4000
 MIN_CHARS = 20  # shorter lines are mostly headings and markup crumbs

@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TRAIN_PY = REPO / "training" / "train.py"
 ASSETS_CORPUS = REPO / "training" / "assets" / "corpus"
 N_CTX = 64

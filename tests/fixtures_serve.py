@@ -37,8 +37,9 @@ def bangla_lines() -> list[str]:
 
 # The questions the tests ask. Each gets a long Bangla answer (a corpus paragraph) that the model
 # memorizes, so replies are reliably Bangla and long enough to arrive in several streamed pieces.
+BN_QUESTION = "ভাই, ডিমের হালি কত?"  # the question most tests ask
 QUESTIONS = (
-    "ভাই, ডিমের হালি কত?",
+    BN_QUESTION,
     "আপনি কেমন আছেন?",
     "হ্যালো",
     "আর চিনি?",

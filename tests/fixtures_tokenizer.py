@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_DATA
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = SHARED_DATA
 TATOEBA = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
 # Files of both registers, chosen to contain both spellings of the nukta letters (checked in test_text).
 BN_FILES = ("bn/train/majantali_bnarchive/RabindranathTagore_Prose_GalpaGuchchha_1.md",

@@ -13,19 +13,21 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures_serve import serve_run  # noqa: F401  (pytest fixture)
+from conftest import REPO
+from fixtures_serve import (
+    BN_QUESTION,
+    serve_run,  # noqa: F401  (pytest fixture)
+)
 
 from training.text import script_counts
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 KEEP_ENV = "PRODIP_KEEP_SCREENSHOTS"
 ARTIFACTS = REPO / "tests" / "artifacts"
-BN_QUESTION = "ভাই, ডিমের হালি কত?"
 STARTUP_S = 90
 REPLY_TIMEOUT_MS = 60_000
 SPEED_MARK = "টোকেন/সেকেন্ড"  # the status line shown when a reply is complete

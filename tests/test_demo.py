@@ -7,10 +7,10 @@ import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
-from fixtures_serve import serve_gguf, serve_run  # noqa: F401  (pytest fixtures)
+from conftest import REPO
+from fixtures_serve import BN_QUESTION, serve_gguf, serve_run  # noqa: F401  (pytest fixtures)
 
 from demo.app import (
     DEFAULT_HOST,
@@ -25,8 +25,6 @@ from serving import load
 from serving.backend import SamplingParams
 from training.text import script_counts
 
-REPO = Path(__file__).resolve().parents[1]
-BN_QUESTION = "ভাই, ডিমের হালি কত?"
 LOCK_PROBE_S = 10
 
 

@@ -41,6 +41,7 @@ import gates_runner
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from fixtures_gates import BATCH, SEQ, SMALL, VOCAB, make_ctx, train_cfg, variant
 from safetensors.numpy import load_file
 
@@ -51,7 +52,6 @@ from training.gates_model import compiled_vs_eager, overfit_one_batch, throughpu
 
 pytest_plugins = ("fixtures_gates",)  # gate_data, byte_data
 
-REPO = Path(__file__).resolve().parents[1]
 HEALTHY_NAMES = {"frozen_parameters", "gradient_flow", "compiled_vs_eager", "overfit_one_batch",
                  "throughput.backward_ratio", "throughput.mfu", "data.token_range", "data.no_repeats",
                  "data.train_val_disjoint", "tokenizer.fertility", "tokenizer.balance"}

@@ -9,19 +9,20 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
-from fixtures_serve import serve_run  # noqa: F401  (pytest fixture)
+from conftest import REPO
+from fixtures_serve import (
+    BN_QUESTION,
+    serve_run,  # noqa: F401  (pytest fixture)
+)
 
 from serving import load
 from serving.http import DEFAULT_HOST, ServerConfig, create_app, parse_bind
 from training.text import script_counts
 
-REPO = Path(__file__).resolve().parents[1]
-BN_QUESTION = "ভাই, ডিমের হালি কত?"
 MAX_TOKENS_CAP = 64
 MAX_BODY = 16 * 1024
 STARTUP_S = 60

@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from fixtures_serve import serve_run  # noqa: F401  (pytest fixture)
+from conftest import REPO
+from fixtures_serve import (
+    BN_QUESTION,
+    serve_run,  # noqa: F401  (pytest fixture)
+)
 
 from serving import load
 from serving.backend import SamplingParams, ServingError
@@ -28,9 +31,6 @@ from serving.chat_session import (
 from serving.torch_backend import TorchBackend
 from training.checkpoint import latest
 from training.text import script_counts
-
-REPO = Path(__file__).resolve().parents[1]
-BN_QUESTION = "ভাই, ডিমের হালি কত?"
 
 
 @pytest.fixture(scope="module")

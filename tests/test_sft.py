@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, SHARED_DATA
 
 from training import checkpoint as ckpt
 from training import sft
@@ -25,9 +26,9 @@ from training.model import Transformer, preset, token_loss
 from training.text import normalize
 from training.tokenizer import train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 CORPUS = ROOT / "training" / "assets" / "corpus"
-SHARED_CHAT = ROOT.parent / "shared" / "data" / "chat" / "sft_tatoeba_translate_bn_en.jsonl"
+SHARED_CHAT = SHARED_DATA / "chat" / "sft_tatoeba_translate_bn_en.jsonl"
 VOCAB = 768
 SEQ = 128
 N_TRAIN, N_TEST = 320, 64  # shared records the end-to-end run reads (train split, test split)
