@@ -82,13 +82,13 @@ def trained_context(path: Path) -> int | None:
 
 
 def load_kwargs(path: Path, backend: str | None, n_ctx: int | None, threads: int | None) -> dict:
-    """serving.load keyword arguments: llama.cpp takes n_ctx/n_threads, the others take threads."""
+    """serving.load keyword arguments: every backend takes threads; llama.cpp also n_ctx."""
     gguf = backend in ("llama.cpp", "llamacpp", "gguf") or (backend is None and path.suffix == ".gguf")
     kw: dict = {}
     if gguf and n_ctx:
         kw["n_ctx"] = n_ctx
     if threads:
-        kw["n_threads" if gguf else "threads"] = threads
+        kw["threads"] = threads
     return kw
 
 

@@ -110,8 +110,6 @@ def load(path: str | Path, backend: str | None = None, **kwargs) -> Backend:
     if kind in ("llama.cpp", "llamacpp", "gguf"):
         from serving.llamacpp import LlamaCppBackend
 
-        if "threads" in kwargs:  # one spelling for every backend: `load(path, threads=N)`
-            kwargs["n_threads"] = kwargs.pop("threads")
         return LlamaCppBackend(p, **kwargs)
     if kind == "onnx":
         from serving.onnxrt import OnnxBackend

@@ -48,7 +48,7 @@ def _type_label(path: Path) -> str:
 
 
 class LlamaCppBackend:
-    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, n_threads: int | None = None,
+    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, threads: int | None = None,
                  kv_f32: bool = True, logits_all: bool = True, n_batch: int = 512, seed: int = 0,
                  verbose: bool = False):
         self.path = Path(path)
@@ -62,7 +62,7 @@ class LlamaCppBackend:
 
         kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
         self._lock = threading.Lock()
-        self.llm = Llama(str(self.path), n_ctx=n_ctx or 0, n_threads=n_threads, n_threads_batch=n_threads,
+        self.llm = Llama(str(self.path), n_ctx=n_ctx or 0, n_threads=threads, n_threads_batch=threads,
                          n_batch=n_batch, logits_all=logits_all, seed=seed, verbose=verbose, **kv)
         # llama.cpp pads its context (to 256) but llama-cpp-python's token/logit buffers keep the asked size
         # (the trained context when n_ctx=0): past that they overflow, so that is the usable context

@@ -379,6 +379,6 @@ def test_export_cli_errors_and_backend_arguments(tmp_path, capsys):
     assert err.startswith("error: ") and "missing.gguf" in err and len(err.strip().splitlines()) == 1
     assert export_main([str(tmp_path), "--threads", "0", "--text", "x"]) == 2
     assert "--threads" in capsys.readouterr().err
-    assert load_kwargs(Path("m.gguf"), None, 128, 1) == {"n_ctx": 128, "n_threads": 1}
+    assert load_kwargs(Path("m.gguf"), None, 128, 1) == {"n_ctx": 128, "threads": 1}
     assert load_kwargs(Path("model.onnx"), None, 128, 2) == {"threads": 2}
     assert load_kwargs(Path("run"), "llama.cpp", None, None) == {}
