@@ -1,0 +1,103 @@
+"""The one table of names on disk: a run folder, a checkpoint, a prepared data folder, an export.
+
+    RUN_DIR/run.json  log.jsonl  gates.json  tokenizer.model  curves.png  nonfinite.json
+    RUN_DIR/checkpoints/step_0001000/{model.safetensors, optim.safetensors, state.json, config.json, tokenizer.model}
+    RUN_DIR/export/{hf/, onnx/, gguf/, parity.json, parity.md, manifest.json, README.md}
+    DATA_DIR/{meta.json, report.json, report.md, tokenizer.model, train/, val/}
+
+`run.json` is the run's configuration (model + training recipe); a checkpoint's `config.json` is the
+model config alone. Every stage names these files through this module and nothing else.
+A leaf: imports only the standard library, so every package may use it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# a run folder
+RUN_CONFIG = "run.json"
+LEGACY_RUN_CONFIG = "config.json"  # runs written before run.json existed (read, never written)
+LOG = "log.jsonl"
+GATES = "gates.json"
+TOKENIZER = "tokenizer.model"
+CURVES = "curves.png"
+NONFINITE = "nonfinite.json"
+CHECKPOINTS = "checkpoints"
+EXPORT = "export"
+
+# a checkpoint folder (RUN_DIR/checkpoints/step_NNNNNNN)
+MODEL_WEIGHTS = "model.safetensors"
+OPTIMIZER = "optim.safetensors"
+STATE = "state.json"
+MODEL_CONFIG = "config.json"
+STEP_PREFIX = "step_"
+
+# a prepared data folder (training.prepare)
+DATA_META = "meta.json"
+DATA_REPORT = "report.json"
+DATA_REPORT_MD = "report.md"
+SPLITS = ("train", "val")
+
+# an export folder (RUN_DIR/export)
+MANIFEST = "manifest.json"
+PARITY_JSON = "parity.json"
+PARITY_MD = "parity.md"
+CARD = "README.md"
+HF_DIR, ONNX_DIR, GGUF_DIR = "hf", "onnx", "gguf"
+
+
+class LayoutError(ValueError):
+    """A folder that is not what its name promises, or one of its JSON files is unreadable."""
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return path.parent.name == CHECKPOINTS and path.name.startswith(STEP_PREFIX)
+
+
+def run_dir_of(path: str | Path) -> Path | None:
+    """The run folder that holds `path`: a run folder itself, a checkpoint, or a file under RUN/export."""
+    p = Path(path)
+    for q in [p, *list(p.parents)[:4]]:
+        if (q / CHECKPOINTS).is_dir() or (q / RUN_CONFIG).is_file():
+            return q
+        if is_checkpoint_dir(q):
+            return q.parent.parent
+    return None
+
+
+def run_config_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / RUN_CONFIG
+
+
+def read_json(path: str | Path, what: str = "JSON file") -> dict:
+    """A JSON object from `path`, or LayoutError naming the file and what is wrong with it."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LayoutError(f"{p}: {what} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LayoutError(f"{p}: unreadable {what} ({e})") from None
+    if not text.strip():
+        raise LayoutError(f"{p}: empty {what}")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LayoutError(f"{p}: {what} is not valid JSON (truncated or corrupted? {e.msg} at line {e.lineno})") from None
+    if not isinstance(obj, dict):
+        raise LayoutError(f"{p}: {what} must hold a JSON object, not {type(obj).__name__}")
+    return obj
+
+
+def read_run_config(run_dir: str | Path) -> dict | None:
+    """A run's configuration ({"prodip_run", "kind", "model", "train"}), or None if the folder holds none."""
+    run = Path(run_dir)
+    if (run / RUN_CONFIG).is_file():
+        return read_json(run / RUN_CONFIG, "run config")
+    legacy = run / LEGACY_RUN_CONFIG
+    if legacy.is_file():
+        cfg = read_json(legacy, "run config")
+        if "prodip_run" in cfg:
+            return cfg
+    return None
