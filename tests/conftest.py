@@ -1,4 +1,9 @@
-"""Shared test setup: offline mode, the ../shared/data location, and small CPU budgets."""
+"""Shared test setup: offline mode, fixtures built from what ships in training/assets, and the
+../shared/data location for opt-in breadth.
+
+Every fixture here builds on training/assets only, so a fresh clone runs every test. Tests that read
+../shared/data are opt-in breadth: they skip (with a message) when it is absent, except under CI=true,
+where any skip that is not an "opt-in:" skip fails the run."""
 
 from __future__ import annotations
 
@@ -16,12 +21,35 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+ASSETS = REPO / "training" / "assets"
+CORPUS = ASSETS / "corpus"
+CHAT_SET = ASSETS / "chat" / "prodip_chat_bn.jsonl"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+OPT_IN = "opt-in:"  # the only skips CI accepts: say what to set to run the test
+
+
 def shared_path(*parts: str) -> Path:
-    """A path under ../shared/data, or skip the test (with a message) when it is absent."""
+    """A path under ../shared/data, or skip the test (with a message) when it is absent.
+    Under CI=true a missing path fails the test: CI always has ../shared beside the clone."""
     p = SHARED_DATA.joinpath(*parts)
     if not p.exists():
-        pytest.skip(f"shared data not available: {p} (see ../shared/data/README.md)")
+        msg = f"shared data not available: {p} (see ../shared/data/README.md)"
+        if IN_CI:
+            pytest.fail(f"CI=true: {msg}")
+        pytest.skip(msg)
     return p
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI=true a skip fails, unless it is a named opt-in (a GPU, PRODIP_TEST_COMPILE, ...)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if IN_CI and rep.skipped and not hasattr(rep, "wasxfail"):
+        reason = str(rep.longrepr[2]) if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        if OPT_IN not in reason:
+            rep.outcome = "failed"
+            rep.longrepr = f"CI=true forbids this skip (only '{OPT_IN} ...' skips may pass): {reason}"
 
 
 @pytest.fixture(scope="session")
@@ -30,21 +58,13 @@ def shared_data() -> Path:
 
 
 # --------------------------------------------------------------------------- shared tiny artifacts
-BN_TRAIN_FILES = (  # a few MB of real Bangla prose and verse from ../shared/data/bn/train
-    "majantali_bnarchive/RabindranathTagore_Prose_Lipika.md",
-    "majantali_bnarchive/SukumarRay_Prose_PaglaDashu.md",
-    "majantali_bnarchive/AbanindranathTagore_Prose_BuroAngla.md",
-)
-
-
 @pytest.fixture(scope="session")
 def bn_data(tmp_path_factory) -> Path:
-    """A prepared data folder (vocab 2048) over real Bangla text; skipped without ../shared/data."""
+    """A prepared data folder (vocab 2048) over the corpus that ships in training/assets."""
     from training.prepare import prepare
 
-    inputs = [shared_path("bn", "train", f) for f in BN_TRAIN_FILES]
     out = tmp_path_factory.mktemp("bn") / "data"
-    prepare(inputs, out, vocab_size=2048, progress=False, workers=1, fertility_floor=1.5)
+    prepare([CORPUS], out, vocab_size=2048, progress=False, workers=1, fertility_floor=1.5)
     return out
 
 
@@ -62,7 +82,8 @@ def run_train(*args: str, check: bool = True):
 
 @pytest.fixture(scope="session")
 def tiny_run(bn_data, tmp_path_factory) -> Path:
-    """A `tiny` run trained 300 steps on real Bangla: enough that top-1 agreement means something."""
+    """A `tiny` run trained 300 steps on the shipped corpus: the one shared trained model of the suite,
+    enough that top-1 agreement means something."""
     out = tmp_path_factory.mktemp("run") / "tiny"
     run_train("--preset", "tiny", "--data", str(bn_data), "--out", str(out), "--max-steps", "300",
               "--batch-size", "8", "--seq-len", "128", "--lr", "3e-3", "--warmup-steps", "20",
