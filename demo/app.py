@@ -26,7 +26,7 @@ from demo.models import (
     default_model,
     discover_models,
 )
-from serving.backend import Backend, SamplingParams, load
+from serving import Backend, SamplingParams, load
 from serving.chat_session import PromptTooLong, chat_stream
 
 __all__ = ["DemoError", "ModelEntry", "build_app", "default_model", "discover_models", "launch"]

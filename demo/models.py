@@ -9,12 +9,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from training import layout
 from training.checkpoint import latest
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 7860  # this machine only, unless --host says otherwise
-QUICKSTART_RUN = Path("runs") / "quickstart"  # demo.quickstart's layout: data/, base/ (pretrained), chat/ (SFT)
+# demo.quickstart's layout: QUICKSTART_RUN/{data/ (prepared), base/ (pretrained run), chat/ (SFT run)}
+QUICKSTART_RUN = Path("runs") / "quickstart"
+QUICKSTART_DATA, QUICKSTART_BASE, QUICKSTART_CHAT = "data", "base", "chat"
 QUICKSTART_GGUF_GLOB = "*-Q4_K_M.gguf"
-QUICKSTART_CHECKPOINT_RUNS = ("chat", "base")  # prefer the chat-tuned run
+QUICKSTART_CHECKPOINT_RUNS = (QUICKSTART_CHAT, QUICKSTART_BASE)  # prefer the chat-tuned run
 HOME_ENV = "PRODIP_HOME"
 QUICKSTART_HINT = "run the quickstart first (python -m demo.quickstart) or pass --model PATH"
 
@@ -28,14 +31,6 @@ class ModelEntry:
     label: str
     path: Path
     backend: str  # "llama.cpp" | "onnx" | "torch"
-
-
-def find_run_dir(path: Path) -> Path | None:
-    """The run folder holding `path` (a run, a checkpoint, or a file under RUN/export)."""
-    for q in [path, *list(path.parents)[:4]]:
-        if (q / "checkpoints").is_dir() or (q / "export").is_dir():
-            return q
-    return None
 
 
 def entry_for(path: Path) -> ModelEntry:
@@ -54,10 +49,11 @@ def discover_models(model: Path) -> list[ModelEntry]:
     if not model.exists():
         raise DemoError(f"model not found: {model}; {QUICKSTART_HINT}")
     entries = [entry_for(model)]
-    run = find_run_dir(model)
+    run = layout.run_dir_of(model)
     if run is not None:
-        export = run / "export"
-        found = [p for p in sorted((export / "gguf").glob("*.gguf")) + sorted(export.glob("onnx/**/*.onnx"))
+        export = run / layout.EXPORT
+        found = [p for p in sorted((export / layout.GGUF_DIR).glob("*.gguf"))
+                 + sorted((export / layout.ONNX_DIR).glob("**/*.onnx"))
                  if not p.name.startswith(".")]  # hidden: an exporter's temporary file
         if latest(run) is not None:
             found.append(run)
@@ -69,13 +65,18 @@ def discover_models(model: Path) -> list[ModelEntry]:
     return entries
 
 
+def quickstart_gguf_dir(out: Path) -> Path:
+    """Where the quickstart (run with --out OUT) leaves its GGUF files."""
+    return out / QUICKSTART_CHAT / layout.EXPORT / layout.GGUF_DIR
+
+
 def default_model(cwd: Path | None = None) -> Path:
     """The quickstart's Q4_K_M GGUF, else its latest checkpoint; under the current dir or $PRODIP_HOME."""
     bases = [cwd or Path.cwd()]
     if os.environ.get(HOME_ENV):
         bases.append(Path(os.environ[HOME_ENV]))
     for base in bases:
-        ggufs = sorted((base / QUICKSTART_RUN / QUICKSTART_CHECKPOINT_RUNS[0] / "export" / "gguf").glob(QUICKSTART_GGUF_GLOB))
+        ggufs = sorted(quickstart_gguf_dir(base / QUICKSTART_RUN).glob(QUICKSTART_GGUF_GLOB))
         if ggufs:
             return ggufs[0]
     for base in bases:

@@ -5,7 +5,7 @@ it wrote, with sizes. Every export ends with a parity run against the PyTorch ch
 parity.md, the card's table); the command exits 1 when a parity threshold is breached, 2 on bad input.
 
 GGUF types: --f32 --f16 --q8 (Q8_0) --q4 (Q4_K_M) and --type NAME for any llama.cpp file type
-(default: F16, Q8_0 and Q4_K_M). ONNX: fp32 always, plus --int8 / --int4.
+(default: F16, Q8_0 and Q4_K_M); --imatrix [TEXT] quantizes K/IQ types with llama.cpp's importance matrix. ONNX: fp32 always, plus --int8 / --int4.
 Parity thresholds: --threshold KIND.METRIC=VALUE (e.g. llama.cpp-Q4_K_M.kl=0.08), see export.parity.
 """
 
@@ -17,10 +17,13 @@ import time
 from pathlib import Path
 
 from export.manifest import Manifest, Source, default_out_dir, human_size, load_source
+from training import layout
+from training.cli import guarded
 
 COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity")
 DEFAULT_GGUF = ("F16", "Q8_0", "Q4_K_M")
-EXIT_PARITY, EXIT_USAGE = 1, 2
+IMATRIX_DEFAULT_TEXT = Path("-")  # `--imatrix` without a value: export.imatrix.DEFAULT_CALIBRATION
+EXIT_PARITY = 1  # files written, a parity threshold breached (bad input exits 2 through training.cli)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--q4", action="store_true", help="Q4_K_M")
     g.add_argument("--type", action="append", default=[], metavar="NAME", help="any llama.cpp file type, e.g. Q5_K_M")
     g.add_argument("--threads", type=int, default=None, help="quantizer threads (default: all cores)")
+    g.add_argument("--imatrix", nargs="?", type=Path, const=IMATRIX_DEFAULT_TEXT, default=None, metavar="TEXT",
+                   help="quantize K/IQ types with an importance matrix computed by llama-imatrix on TEXT "
+                        "(default: the shipped Bangla calibration text); needs scripts/build_llama_tools.sh")
     o = p.add_argument_group("onnx")
     o.add_argument("--int8", action="store_true")
     o.add_argument("--int4", action="store_true")
@@ -62,31 +68,34 @@ def _report(paths: list[Path], t0: float) -> None:
 
 
 def export_onnx_files(src: Source, out: Path, manifest: Manifest, args: argparse.Namespace) -> list[Path]:
-    from export.onnx import export_onnx  # another engineer's module; imported only when asked for
+    from export.onnx import export_onnx  # imported only when asked for: onnx is heavy
+    from serving.onnxrt import VARIANT_FILES
 
-    paths = export_onnx(src.path, out / "onnx", int8=args.int8, int4=args.int4, force=args.force)
+    paths = export_onnx(src.path, out / layout.ONNX_DIR, int8=args.int8, int4=args.int4, force=args.force)
+    by_file = {f: v for v, f in VARIANT_FILES.items()}
     for p in paths:
-        variant = {"model.onnx": "fp32", "model-int8.onnx": "int8", "model-int4.onnx": "int4"}.get(p.name, p.suffix.lstrip("."))
-        manifest.add(p, "onnx", variant)
+        manifest.add(p, "onnx", by_file.get(p.name, p.suffix.lstrip(".")))
     return paths
 
 
 def check_gates(src: Source) -> None:
     """Nothing is exported from a run whose pre-flight gates failed (training.gates)."""
-    from training.gates import GATES_FILE, require_passed
+    from training.gates import require_passed
 
     if src.run_dir is None:
         return
-    if (src.run_dir / GATES_FILE).is_file():
+    if (src.run_dir / layout.GATES).is_file():
         require_passed(src.run_dir)
     else:
-        print(f"warning: {src.run_dir} has no {GATES_FILE}: its pre-flight gates were never recorded", file=sys.stderr)
+        print(f"warning: {src.run_dir} has no {layout.GATES}: its pre-flight gates were never recorded", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     from export.card import write_card
     from export.parity import parse_thresholds, run_parity
 
+    if args.new_tokens is not None and args.new_tokens < 1:
+        raise ValueError("--new-tokens must be >= 1")
     thresholds = parse_thresholds(args.threshold)  # bad flags fail before any work
     if args.texts and not args.texts.is_file():
         raise FileNotFoundError(f"--texts file not found: {args.texts}")
@@ -96,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
 
         for t in gguf_types(args):  # an unknown type fails before the checkpoint is read
             canonical_type(t)
+        if args.imatrix is not None:
+            from export.llama_tools import BUILD_HINT, missing_tools
+
+            if missing := missing_tools(("llama-imatrix", "llama-quantize")):
+                raise ValueError(f"--imatrix needs {', '.join(missing)}; {BUILD_HINT}")
     src = load_source(args.path, args.step)
     check_gates(src)
     out = args.out or default_out_dir(src)
@@ -122,7 +136,14 @@ def run(args: argparse.Namespace) -> int:
             from export.modelfile import write_modelfiles
 
             t0 = time.perf_counter()
-            paths = export_gguf(src, out, gguf_types(args), manifest, force=args.force, nthread=args.threads)
+            if args.imatrix is not None:
+                from export.imatrix import DEFAULT_CALIBRATION, export_gguf_imatrix
+
+                text = DEFAULT_CALIBRATION if args.imatrix == IMATRIX_DEFAULT_TEXT else args.imatrix
+                paths = export_gguf_imatrix(src, out, gguf_types(args), manifest, text=text, force=args.force,
+                                            nthread=args.threads)
+            else:
+                paths = export_gguf(src, out, gguf_types(args), manifest, force=args.force, nthread=args.threads)
             _report(paths, t0)
             for rel, e in manifest.files("gguf").items():
                 for f in e.get("fallbacks", []):
@@ -137,10 +158,10 @@ def run(args: argparse.Namespace) -> int:
         report = run_parity(out, src, thresholds=thresholds, extra_texts=extra,
                             progress=lambda m: print(m, file=sys.stderr), **kw)
         print(report.table())
-        print(f"wrote {out / 'parity.json'} and {out / 'parity.md'}")
+        print(f"wrote {out / layout.PARITY_JSON} and {out / layout.PARITY_MD}")
         passed = report.passed
         if not passed:
-            print("error: parity thresholds breached (see parity.md)", file=sys.stderr)
+            print(f"error: parity thresholds breached (see {layout.PARITY_MD})", file=sys.stderr)
     print(f"wrote {write_card(src, out, manifest)}")
     return 0 if passed else EXIT_PARITY
 
@@ -149,17 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.gates import GateError
 
     args = build_parser().parse_args(argv)
-    if args.new_tokens is not None and args.new_tokens < 1:
-        print("error: --new-tokens must be >= 1", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        return run(args)
-    except (ValueError, OSError, GateError) as e:  # our errors carry a one-line message
-        if args.debug:
-            raise
-        first, _, _ = str(e).partition("\n")
-        print(f"error: {first}", file=sys.stderr)
-        return EXIT_USAGE
+    return guarded(lambda: run(args), debug=args.debug, errors=(ValueError, OSError, GateError))
 
 
 if __name__ == "__main__":

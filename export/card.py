@@ -3,44 +3,44 @@ parity), rebuilt after every export from what is on disk."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import fields
 from pathlib import Path
 
 from export.manifest import Manifest, Source, human_size
-from export.parity import PARITY_MD
+from training import layout
 from training.model import count_params
-
-CARD = "README.md"
-REPORT = "report.json"  # written by training.prepare into the data folder
 
 
 def _read_json(path: Path) -> dict | None:
+    """The card is rebuilt from whatever is on disk: a missing or broken file leaves its section out."""
     try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, json.JSONDecodeError):
+        return layout.read_json(path) if path.is_file() else None
+    except layout.LayoutError:
         return None
 
 
 def data_report(src: Source) -> tuple[Path | None, dict | None]:
-    """The tokenizer fertility report of the run's data folder (RUN_DIR/config.json train.data)."""
+    """The tokenizer fertility report of the run's data folder (the run config's train.data)."""
     if src.run_dir is None:
         return None, None
-    run_cfg = _read_json(src.run_dir / "config.json") or {}
+    try:
+        run_cfg = layout.read_run_config(src.run_dir) or {}
+    except layout.LayoutError:
+        return None, None
     data = (run_cfg.get("train") or {}).get("data")
     if not data:
         return None, None
     for base in (Path(data), src.run_dir / data, src.run_dir.parent / data):
-        if (base / REPORT).is_file():
-            return base, _read_json(base / REPORT)
+        if (base / layout.DATA_REPORT).is_file():
+            return base, _read_json(base / layout.DATA_REPORT)
     return Path(data), None
 
 
 def gates_table(src: Source) -> str | None:
     from training.gates import GateReport, GateResult
 
-    g = _read_json(src.run_dir / "gates.json") if src.run_dir else None
+    g = _read_json(src.run_dir / layout.GATES) if src.run_dir else None
     if not g or "results" not in g:
         return None
     known = {f.name for f in fields(GateResult)}
@@ -88,7 +88,7 @@ def render(src: Source, out_dir: Path, manifest: Manifest) -> str:
     if fallbacks:
         out += ["", "K-quant fallbacks (tensors llama.cpp stored in another type than asked):", ""]
         out += [f"- `{rel}`: " + ", ".join(f"{f['tensor']} → {f['type']}" for f in fl) for rel, fl in fallbacks.items()]
-    parity = out_dir / PARITY_MD
+    parity = out_dir / layout.PARITY_MD
     if parity.is_file():
         body = parity.read_text(encoding="utf-8").split("\n", 2)[-1]  # drop its "# Parity" title
         out += ["", "## Parity", "", body.strip()]
@@ -114,7 +114,7 @@ def _kept_sections(text: str) -> str:
 
 
 def write_card(src: Source, out_dir: Path, manifest: Manifest) -> Path:
-    path = out_dir / CARD
+    path = out_dir / layout.CARD
     kept = _kept_sections(path.read_text(encoding="utf-8")) if path.is_file() else ""
     text = render(src, out_dir, manifest)
     path.write_text(text + ("\n" + kept + "\n" if kept else ""), encoding="utf-8")

@@ -3,12 +3,12 @@
     python -m export.evaluate FILE [FILE ...] [--reference RUN_OR_CHECKPOINT] [--text FILE ...] [--mc FILE ...]
 
 Each FILE is opened with `serving.load` (so any backend serving knows: .gguf, .onnx, a run folder),
-wrapped as a `training.evaluate.LogProbProvider` (log-softmax of the backend's logits) and scored
-exactly as `python -m training.evaluate` scores checkpoints: NLL/token, bits per byte and per
-character by language, multiple-choice accuracy. With --reference the PyTorch checkpoint is scored
-too and every file gets deltas against it, so quantization loss reads as a bits-per-byte and
-accuracy delta. Writes eval.json, eval.md, eval.png (RUN/export/eval by default) and a section of
-RUN/export/README.md when it exists.
+wrapped as a `training.evaluate.LogProbProvider` (`training.logprobs.log_softmax` of the backend's
+logits) and scored exactly as `python -m training.evaluate` scores checkpoints: NLL/token, bits per
+byte and per character by language, multiple-choice accuracy. With --reference the PyTorch checkpoint
+(a `serving.torch_backend.TorchBackend`) is scored too and every file gets deltas against it, so
+quantization loss reads as a bits-per-byte and accuracy delta. Writes eval.json, eval.md, eval.png
+(RUN/export/eval by default) and a section of RUN/export/README.md when it exists.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+import serving
 from serving.backend import Backend
+from serving.torch_backend import TorchBackend
 from training.cli import guarded
 from training.evaluate import (
     OUTPUT_FILES,
     EvalError,
-    TorchProvider,
     add_common_args,
     build_request,
     check_common_args,
@@ -35,6 +36,8 @@ from training.evaluate import (
     update_card,
     write_outputs,
 )
+from training.layout import CARD, EXPORT
+from training.logprobs import log_softmax
 
 CARD_MARKER = "eval-export"  # a card section of its own, beside training.evaluate's
 REFERENCE_NAME = "torch (reference)"
@@ -57,13 +60,10 @@ class BackendProvider:
 
     def token_logprobs(self, ids: Sequence[int]) -> np.ndarray:
         ids = [int(i) for i in ids]
-        logits = np.asarray(self.backend.logits(ids), dtype=np.float64)
+        logits = np.asarray(self.backend.logits(ids))
         if logits.ndim != 2 or logits.shape[0] != len(ids):
             raise EvalError(f"backend {self.name}: logits shape {logits.shape} for {len(ids)} tokens, expected (T, V)")
-        x = logits[:-1]
-        m = x.max(axis=-1, keepdims=True)
-        lse = (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[:, 0]
-        return x[np.arange(len(ids) - 1), ids[1:]] - lse
+        return log_softmax(logits[:-1])[np.arange(len(ids) - 1), ids[1:]]
 
 
 def trained_context(path: Path) -> int | None:
@@ -83,9 +83,8 @@ def trained_context(path: Path) -> int | None:
 
 def load_kwargs(path: Path, backend: str | None, n_ctx: int | None, threads: int | None) -> dict:
     """serving.load keyword arguments: every backend takes threads; llama.cpp also n_ctx."""
-    gguf = backend in ("llama.cpp", "llamacpp", "gguf") or (backend is None and path.suffix == ".gguf")
     kw: dict = {}
-    if gguf and n_ctx:
+    if n_ctx and serving.runtime_name(path, backend) == "llama.cpp":
         kw["n_ctx"] = n_ctx
     if threads:
         kw["threads"] = threads
@@ -96,14 +95,12 @@ def default_out(files: Sequence[Path]) -> tuple[Path, Path | None]:
     """(output folder, model card or None): RUN/export/eval and RUN/export/README.md for files under an export folder."""
     first = files[0].resolve()
     for parent in [first, *first.parents]:
-        if parent.name == "export" and parent.is_dir():
-            return parent / "eval", parent / "README.md"
+        if parent.name == EXPORT and parent.is_dir():
+            return parent / "eval", parent / CARD
     return (first if first.is_dir() else first.parent) / "eval", None
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    import serving
-
     check_common_args(args)
     if args.threads is not None and args.threads < 1:
         raise EvalError(f"--threads must be >= 1, got {args.threads}")
@@ -119,11 +116,12 @@ def run_cli(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     models: list[dict] = []
     if args.reference:
-        from training.checkpoint import load_model
-
-        model, ck = load_model(args.reference)
-        models.append(evaluate_model(TorchProvider(model, ck.tokenizer, name=REFERENCE_NAME), req, progress=progress))
-        models[-1]["path"] = str(ck.path)
+        ref = TorchBackend(args.reference, threads=args.threads)
+        try:
+            models.append(evaluate_model(BackendProvider(ref, name=REFERENCE_NAME), req, progress=progress))
+        finally:
+            ref.close()
+        models[-1]["path"] = str(ref.checkpoint.path)
     names: set[str] = {m["name"] for m in models}
     for f in files:
         trained = trained_context(f)
@@ -158,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("files", nargs="+", metavar="FILE", help=".gguf / .onnx files (or folders serving.load accepts)")
     ap.add_argument("--reference", default=None, metavar="RUN_OR_CHECKPOINT",
                     help="also score this PyTorch checkpoint and report each file's delta against it")
-    ap.add_argument("--backend", default=None, help="force a serving backend: llama.cpp, onnx or torch")
+    ap.add_argument("--backend", default=None, choices=sorted(serving.ALIASES), metavar="BACKEND",
+                    help=f"force a serving backend: {', '.join(serving.RUNTIMES)} (default: from the file)")
     ap.add_argument("--n-ctx", type=int, default=None, help="scoring context (default: the model's trained context)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads per backend (1 is fastest on a busy machine: llama.cpp threads spin)")

@@ -25,9 +25,9 @@ import numpy as np
 from export import ExportError
 from export.manifest import Manifest, Source
 from export.names import lookup, permute_heads, permute_rope, to_gguf
+from training import layout
 from training.chat import CHAT_TEMPLATE
 
-GGUF_DIRNAME = "gguf"
 ARCH = "llama"
 DIRECT_TYPES = ("F32", "F16")  # written here; everything else goes through llama.cpp's quantizer
 SHORTCUTS = {"f32": "F32", "f16": "F16", "q8": "Q8_0", "q4": "Q4_K_M"}
@@ -70,7 +70,7 @@ def canonical_type(name: str) -> str:
 
 
 def gguf_path(out_dir: Path, src: Source, type_name: str) -> Path:
-    return out_dir / GGUF_DIRNAME / f"{src.name}-{type_name}.gguf"
+    return out_dir / layout.GGUF_DIR / f"{src.name}-{type_name}.gguf"
 
 
 def metadata(src: Source, file_type: int) -> list[tuple[str, object, gguf.GGUFValueType]]:
@@ -246,7 +246,7 @@ def export_gguf(src: Source, out_dir: Path, types: list[str], manifest: Manifest
         base = targets.get("F32")
         tmp_base = None
         if base is None:
-            tmp_base = base = out_dir / GGUF_DIRNAME / f".{src.name}-F32.quant-source.gguf"
+            tmp_base = base = out_dir / layout.GGUF_DIR / f".{src.name}-F32.quant-source.gguf"
             write_gguf(src, base, "F32")
         try:
             for t in quant:

@@ -20,13 +20,16 @@ from export import ExportError
 from export.manifest import Manifest, Source
 from export.names import to_hf
 from serving.backend import SamplingParams
+from training import layout
 from training.chat import CHAT_TEMPLATE
 from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK
 
-HF_DIRNAME = "hf"
-WEIGHTS_FILE = "model.safetensors"
-FILES = ("config.json", WEIGHTS_FILE, "generation_config.json", "tokenizer.model", "tokenizer_config.json",
-         "special_tokens_map.json")
+# Hugging Face's own file names inside RUN/export/hf (transformers looks for exactly these; they
+# only happen to share spellings with a prodip checkpoint's files)
+CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE = "config.json", "model.safetensors", "generation_config.json"
+TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE = (
+    "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE)
 
 
 def hf_config(src: Source) -> dict:
@@ -109,7 +112,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def export_hf(src: Source, out_dir: Path, manifest: Manifest, *, force: bool = False) -> list[Path]:
     """Write the HF folder under `out_dir/hf`; returns the written paths."""
-    d = out_dir / HF_DIRNAME
+    d = out_dir / layout.HF_DIR
     if (d / WEIGHTS_FILE).exists() and not force:
         raise ExportError(f"{d / WEIGHTS_FILE} exists; use --force to overwrite")
     d.mkdir(parents=True, exist_ok=True)
@@ -119,11 +122,11 @@ def export_hf(src: Source, out_dir: Path, manifest: Manifest, *, force: bool = F
     save_file(weights, str(tmp), metadata={"format": "pt"})
     del weights
     tmp.replace(d / WEIGHTS_FILE)
-    _write_json(d / "config.json", hf_config(src))
-    _write_json(d / "generation_config.json", generation_config(src))
-    _write_json(d / "tokenizer_config.json", tokenizer_config(src))
-    _write_json(d / "special_tokens_map.json", special_tokens_map())
-    src.tokenizer.save(d / "tokenizer.model")
+    _write_json(d / CONFIG_FILE, hf_config(src))
+    _write_json(d / GENERATION_FILE, generation_config(src))
+    _write_json(d / TOKENIZER_CONFIG_FILE, tokenizer_config(src))
+    _write_json(d / SPECIAL_TOKENS_FILE, special_tokens_map())
+    src.tokenizer.save(d / TOKENIZER_FILE)
     paths = [d / f for f in FILES]
     for p in paths:
         manifest.add(p, "hf", "F32" if p.name == WEIGHTS_FILE else p.suffix.lstrip("."))

@@ -24,12 +24,10 @@ from safetensors import safe_open
 
 from export import ExportError
 from export.names import TensorNameError, expected_names, lookup
-from training import checkpoint
+from training import checkpoint, layout
 from training.model import ModelConfig
 from training.tokenizer import Tokenizer
 
-MANIFEST = "manifest.json"
-EXPORT_DIRNAME = "export"
 HASH_CHUNK = 1 << 22
 
 
@@ -71,12 +69,9 @@ class Source:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, fp32 tensor) in writing order, memory-mapped from model.safetensors."""
-        with safe_open(str(self.path / checkpoint.MODEL_FILE), framework="pt") as f:
+        with safe_open(str(self.path / layout.MODEL_WEIGHTS), framework="pt") as f:
             for name in self.tensor_names():
                 yield name, f.get_tensor(name).to(torch.float32)
-
-    def load_weights(self) -> dict[str, torch.Tensor]:
-        return dict(self.tensors())
 
     def model(self) -> torch.nn.Module:
         """The fp32 reference model (eval mode) through training.checkpoint's own loader."""
@@ -84,12 +79,8 @@ class Source:
         return model
 
 
-def run_dir_of(ckpt_path: Path) -> Path | None:
-    return ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else None
-
-
 def default_out_dir(src: Source) -> Path:
-    return (src.run_dir or src.path) / EXPORT_DIRNAME
+    return (src.run_dir or src.path) / layout.EXPORT
 
 
 def load_source(path: str | os.PathLike, step: int | None = None) -> Source:
@@ -108,7 +99,7 @@ def load_source(path: str | os.PathLike, step: int | None = None) -> Source:
     except TensorNameError as e:
         raise ExportError(str(e)) from None
     shapes = {k: tuple(v.shape) for k, v in ck.weights.items()}
-    src = Source(ck.path, ck.config, ck.tokenizer, ck.state, run_dir_of(ck.path), shapes)
+    src = Source(ck.path, ck.config, ck.tokenizer, ck.state, layout.run_dir_of(ck.path), shapes)
     del ck
     return src
 
@@ -139,7 +130,7 @@ class Manifest:
     def open(cls, out_dir: Path, src: Source, *, force: bool) -> Manifest:
         """The export folder's manifest, started afresh when empty; refuses another checkpoint's
         exports unless `force`."""
-        path = out_dir / MANIFEST
+        path = out_dir / layout.MANIFEST
         fresh = {
             "prodip_version": prodip_version(),
             "source": {"checkpoint": str(src.path.resolve()), "step": src.step,
@@ -167,10 +158,10 @@ class Manifest:
 
     @classmethod
     def read(cls, out_dir: Path) -> Manifest:
-        path = out_dir / MANIFEST
+        path = out_dir / layout.MANIFEST
         if not path.is_file():
-            raise ExportError(f"{out_dir} holds no {MANIFEST}; export something first")
-        return cls(out_dir, json.loads(path.read_text()))
+            raise ExportError(f"{out_dir} holds no {layout.MANIFEST}; export something first")
+        return cls(out_dir, layout.read_json(path, "export manifest"))
 
     def add(self, path: Path, fmt: str, type_: str, **extra: object) -> dict:
         entry = {"format": fmt, "type": type_, "size": path.stat().st_size, "sha256": sha256_file(path), **extra}
@@ -181,7 +172,7 @@ class Manifest:
         return {k: v for k, v in self.data["files"].items() if fmt is None or v["format"] == fmt}
 
     def save(self) -> Path:
-        path = self.out_dir / MANIFEST
+        path = self.out_dir / layout.MANIFEST
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, path)

@@ -38,6 +38,7 @@ from serving.onnxrt import (
     output_names,
 )
 from training.checkpoint import load_model
+from training.logprobs import kl_rows
 from training.model import Transformer
 from training.tokenizer import Tokenizer
 
@@ -142,13 +143,7 @@ def _check_fp32(model: Transformer, path: Path) -> dict:
 
 def _kl_report(ref: np.ndarray, q: np.ndarray) -> dict:
     """Mean/max KL(fp32 || quantized) over positions, top-1 agreement, max |logit diff|."""
-    def log_softmax(x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = log_softmax(ref), log_softmax(q)
-    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    kl = kl_rows(ref, q)
     return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
             "top1_agreement": float((ref.argmax(-1) == q.argmax(-1)).mean()),
             "max_abs_diff": float(np.abs(ref - q).max()), "finite": bool(np.isfinite(q).all())}

@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from training import layout  # noqa: E402  (a leaf: the standard library only, so importing it is cheap)
+
 PROJECT_TOKENS = 2_000_000_000  # the reference run's budget: 2 B tokens in 54.6 h for $164 on one H100
 REFERENCE_TOKENS_PER_S = 10_000
 HOURLY_USD = 3.0  # the reference run's price: $164 / 54.6 h
@@ -83,14 +85,14 @@ def prepare_data(out: Path, need_tokens: int) -> Path:
     from training.tokenizer import Tokenizer
 
     data = out / "data"
-    if (data / "meta.json").is_file():
-        meta = json.loads((data / "meta.json").read_text())
+    if (data / layout.DATA_META).is_file():
+        meta = layout.read_json(data / layout.DATA_META, "data meta")
         if meta["splits"]["train"]["n_tokens"] >= need_tokens:
             return data
     subprocess.check_call([sys.executable, "-m", "training.prepare", "--input", str(ROOT / "training/assets/corpus"),
                            "--out", str(data), "--vocab-size", "32768", "--force", "--no-progress"], cwd=ROOT)
-    tok = Tokenizer.load(data / "tokenizer.model")
-    meta = json.loads((data / "meta.json").read_text())
+    tok = Tokenizer.load(data / layout.TOKENIZER)
+    meta = layout.read_json(data / layout.DATA_META, "data meta")
     base = TokenStream(data, "train").slice(0, meta["splits"]["train"]["n_tokens"])
     # every copy starts with 1 or 2 <s> so that a copy's length is odd: windows (stride seq_len, a
     # power of two) then fall at a different offset in each copy and never repeat exactly
@@ -106,7 +108,7 @@ def prepare_data(out: Path, need_tokens: int) -> Path:
         os.replace(f, data / "train" / f"shard_{n + i:05d}.bin")
     meta["splits"]["train"]["n_tokens"] += n_copies * len(copy)
     meta["splits"]["train"]["n_shards"] = n + w.n_shards
-    (data / "meta.json").write_text(json.dumps(meta, indent=2))
+    (data / layout.DATA_META).write_text(json.dumps(meta, indent=2))
     return data
 
 
@@ -166,8 +168,9 @@ def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: 
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python scripts/gpu_validate.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="400m")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=8, help="micro-batch (8 x 2048 fits 80 GB for 400m)")
@@ -181,13 +184,12 @@ def main() -> int:
     ap.add_argument("--skip-1b", action="store_true", help="skip the 1b memory probe")
     ap.add_argument("--train-timeout-s", type=int, default=TRAIN_TIMEOUT_S)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's own logic (tiny presets)")
-    a = ap.parse_args()
+    return ap
 
-    import numpy as np
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     import torch
-
-    from training.metrics import peak_flops
-    from training.model import ModelConfig, count_params, flops_per_token, preset
 
     if a.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device; this script validates the GPU path", file=sys.stderr)
@@ -207,17 +209,37 @@ def main() -> int:
     t0 = time.time()
     rc = run_train(cmd, a.train_timeout_s)
     wall = time.time() - t0
+    res = measure(a, run, rc, wall)
+    res["script_wall_s"] = round(time.time() - t_start, 1)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "gpu_validate.json").write_text(json.dumps(res, indent=2))
+    md = ["| metric | value |", "|---|---|"] + [f"| {k} | {json.dumps(v) if isinstance(v, (list, dict)) else v} |"
+                                                for k, v in res.items()]
+    (run / "gpu_validate.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"\nwritten: {run / 'gpu_validate.json'}")
+    return rc
 
-    recs = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()] if (run / "log.jsonl").exists() else []
+
+def measure(a: argparse.Namespace, run: Path, rc: int, wall: float) -> dict:
+    """The figures of the timed run (its log, gates and config) and the projections from them."""
+    import numpy as np
+    import torch
+
+    from training.metrics import peak_flops
+    from training.model import ModelConfig, count_params, flops_per_token, preset
+
+    log = run / layout.LOG
+    recs = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     recs = [r for r in recs if "loss" in r]
-    gates = json.loads((run / "gates.json").read_text()) if (run / "gates.json").exists() else {}
+    gates = layout.read_json(run / layout.GATES, "gates") if (run / layout.GATES).exists() else {}
     gate = {g["name"]: g for g in gates.get("results", [])}
     timed = [r for r in recs if r.get("tokens_per_s")]
     steady = timed[len(timed) // 2:]  # the second half: past compilation, allocator warm-up
     tps = float(np.median([r["tokens_per_s"] for r in steady])) if steady else float("nan")
 
-    ran = ModelConfig.from_dict(json.loads((run / "config.json").read_text())["model"]) if (run / "config.json").exists() \
-        else preset(a.preset)
+    run_cfg = layout.read_run_config(run)
+    ran = ModelConfig.from_dict(run_cfg["model"]) if run_cfg else preset(a.preset)
     full = preset(a.preset)
     peak, gpu = peak_flops(torch.device(a.device))
     fpt, fpt_full = flops_per_token(ran, a.seq_len), flops_per_token(full, a.seq_len)
@@ -248,15 +270,7 @@ def main() -> int:
     }
     if not a.skip_1b and a.device == "cuda":
         res["memory_1b"] = [memory_probe("1b", a.seq_len, 4, False), memory_probe("1b", a.seq_len, 16, True)]
-    res["script_wall_s"] = round(time.time() - t_start, 1)
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "gpu_validate.json").write_text(json.dumps(res, indent=2))
-    md = ["| metric | value |", "|---|---|"] + [f"| {k} | {json.dumps(v) if isinstance(v, (list, dict)) else v} |"
-                                                for k, v in res.items()]
-    (run / "gpu_validate.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    print(f"\nwritten: {run / 'gpu_validate.json'}")
-    return rc
+    return res
 
 
 if __name__ == "__main__":

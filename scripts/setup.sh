@@ -2,6 +2,8 @@
 # Create ./.venv and install prodip with everything it needs. Idempotent: a second run is quick.
 #   scripts/setup.sh          runtime (train, export, serve, demo)
 #   scripts/setup.sh --dev    + test tools (pytest, ruff, transformers, playwright, Debian chromium)
+#   scripts/setup.sh --llama-tools  + llama.cpp's own programs (llama-cli, -server, -bench, -perplexity,
+#                      -imatrix, -quantize), built once from the same pinned source with the same flags
 # Environment knobs:
 #   PRODIP_VENV        venv folder (default .venv)
 #   PRODIP_TORCH       torch requirement (default torch==2.13.0; on a CUDA machine with torch already
@@ -13,7 +15,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEV=0
-[ "${1:-}" = "--dev" ] && DEV=1
+LLAMA_TOOLS=0
+for a in "$@"; do
+  case "$a" in
+    --dev) DEV=1 ;;
+    --llama-tools) LLAMA_TOOLS=1 ;;  # llama.cpp's own programs (scripts/build_llama_tools.sh)
+    *) echo "error: scripts/setup.sh: unknown option $a (use --dev, --llama-tools)" >&2; exit 2 ;;
+  esac
+done
 VENV=${PRODIP_VENV:-.venv}
 TORCH=${PRODIP_TORCH:-torch==2.13.0}
 LLAMA_VERSION=0.3.36
@@ -59,5 +68,9 @@ if [ "$DEV" = 1 ]; then
   fi
 else
   "${PIP[@]}" -e .
+fi
+if [ "$LLAMA_TOOLS" = 1 ]; then
+  PRODIP_PYTHON="$PY" PRODIP_LLAMA_CMAKE="$LLAMA_CMAKE" bash scripts/build_llama_tools.sh >/dev/null
+  log "llama.cpp tools: $(PRODIP_PYTHON="$PY" PRODIP_LLAMA_CMAKE="$LLAMA_CMAKE" bash scripts/build_llama_tools.sh --print)"
 fi
 log "ready: $PY ($("$PY" -c 'import torch, llama_cpp; print("torch", torch.__version__, "| llama-cpp-python", llama_cpp.__version__)'))"

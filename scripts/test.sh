@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k parity
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --dev
+bash scripts/setup.sh --dev --llama-tools
 PY=${PRODIP_VENV:-.venv}/bin/python
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False TOKENIZERS_PARALLELISM=false
 "$PY" -m ruff check .

@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serving.backend import SamplingParams, load
+from serving import ALIASES, RUNTIMES, load
+from serving.backend import SamplingParams
 from serving.chat_session import ChatSession, TextStream, completion_stream
 from serving.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP, ServerConfig, parse_bind, serve
 from training.cli import guarded
 
-BACKENDS = ("llama.cpp", "onnx", "torch")
 PROMPT_MARK = ">>> "
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -23,7 +23,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help=".gguf file, .onnx file/folder, or a run/checkpoint folder")
-    ap.add_argument("--backend", choices=BACKENDS, help="force a runtime (default: from the file)")
+    ap.add_argument("--backend", choices=sorted(ALIASES), metavar="BACKEND",
+                    help=f"force a runtime: {', '.join(RUNTIMES)} (default: from the file)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--prompt", help="answer this one message and exit")
     mode.add_argument("--http", metavar="[HOST:]PORT", help="serve an OpenAI-compatible API (host 127.0.0.1 by default)")

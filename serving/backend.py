@@ -1,9 +1,11 @@
-"""The one backend interface. Every runtime implements `Backend`; `load(path)` picks the runtime.
+"""The one backend interface. Every runtime implements `Backend`; `serving.load(path)` picks the runtime.
 
 A backend exposes the few primitives the rest of prodip needs:
 - `tokenize` / `detokenize` (through the runtime's own tokenizer where it has one, so parity can
   check that it agrees with `training.tokenizer`),
 - `logits(ids)`: next-token logits for every position of one sequence (fp32 numpy, (T, V)),
+- `logits_incremental(ids, prefix)`: the same logits through the runtime's KV cache (`prefix` tokens
+  in one pass, the rest one at a time), so parity can compare full-sequence and cached decoding,
 - `generate(ids, params)`: a stream of token ids, sampled with `SamplingParams`,
 - `chat(messages, params)`: renders through `training.chat` and streams text pieces.
 Text given to a backend is normalized with `training.text.normalize` first, always.
@@ -14,7 +16,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -64,6 +65,8 @@ class Backend(Protocol):
 
     def logits(self, ids: Sequence[int]) -> np.ndarray: ...
 
+    def logits_incremental(self, ids: Sequence[int], prefix: int = 0) -> np.ndarray: ...
+
     def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]: ...
 
     def close(self) -> None: ...
@@ -91,32 +94,3 @@ def sample_next(logits: np.ndarray, params: SamplingParams, history: Sequence[in
         p[cut] = 0
         p /= p.sum()
     return int(rng.choice(p.size, p=p))
-
-
-def load(path: str | Path, backend: str | None = None, **kwargs) -> Backend:
-    """Pick the runtime from the file: .gguf -> llama.cpp, .onnx (or a folder with model.onnx) ->
-    ONNX Runtime, a run/checkpoint folder -> PyTorch. `backend` forces one ("llama.cpp", "onnx", "torch")."""
-    p = Path(path)
-    if not p.exists():
-        raise ServingError(f"model not found: {p}")
-    kind = backend
-    if kind is None:
-        if p.suffix == ".gguf":
-            kind = "llama.cpp"
-        elif p.suffix == ".onnx" or (p.is_dir() and any(p.glob("*.onnx"))):
-            kind = "onnx"
-        else:
-            kind = "torch"
-    if kind in ("llama.cpp", "llamacpp", "gguf"):
-        from serving.llamacpp import LlamaCppBackend
-
-        return LlamaCppBackend(p, **kwargs)
-    if kind == "onnx":
-        from serving.onnxrt import OnnxBackend
-
-        return OnnxBackend(p, **kwargs)
-    if kind in ("torch", "pytorch"):
-        from serving.torch_backend import TorchBackend
-
-        return TorchBackend(p, **kwargs)
-    raise ServingError(f"unknown backend {kind!r}; use llama.cpp, onnx or torch")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -23,6 +24,7 @@ from training.tokenizer import IM_END, IM_START
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for a partial UTF-8 sequence
 # At most this share of the context is held back for the reply when fitting the history.
 MAX_REPLY_SHARE = 0.5
+RECENT_STATS = 64  # GenerationProbe keeps the stats of this many finished generations
 
 
 class PromptTooLong(ServingError):
@@ -115,7 +117,12 @@ class GenerationStats:
     completion_tokens: int = 0
     time_to_first_token_s: float | None = None
     total_s: float = 0.0
-    finish_reason: str | None = None  # "stop" (end of turn or stop string) | "length"
+    finish_reason: str | None = None  # "stop" (end of turn or stop string) | "length" | "cancelled" (closed early)
+    # time.perf_counter() when the request arrived (or the stream asked for the lock), got the lock, and
+    # its generation loop ended
+    queued_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -137,6 +144,46 @@ def _held_tail(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class GenerationProbe:
+    """Counts generations as they wait for and hold the generation lock: the server's record of its
+    one-at-a-time and stop-on-disconnect guarantees (the HTTP tests read it; /health reports it)."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self.waiting = self.active = self.peak_waiting = self.peak_active = self.started = self.finished = 0
+        self.recent: deque[GenerationStats] = deque(maxlen=RECENT_STATS)  # bounded: a server runs for days
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        with self._mu:
+            self.waiting += 1
+            self.peak_waiting = max(self.peak_waiting, self.waiting)
+        try:
+            yield
+        finally:
+            with self._mu:
+                self.waiting -= 1
+
+    @contextlib.contextmanager
+    def running(self, stats: GenerationStats) -> Iterator[None]:
+        with self._mu:
+            self.active += 1
+            self.started += 1
+            self.peak_active = max(self.peak_active, self.active)
+        try:
+            yield
+        finally:
+            with self._mu:
+                self.active -= 1
+                self.finished += 1
+                self.recent.append(stats)
+
+    def snapshot(self) -> dict:
+        with self._mu:
+            return {"waiting": self.waiting, "active": self.active, "peak_waiting": self.peak_waiting,
+                    "peak_active": self.peak_active, "started": self.started, "finished": self.finished}
+
+
 @dataclass
 class TextStream:
     """Iterate for text pieces; `stats` is complete once iteration ends. `lock` (if given) is held
@@ -146,6 +193,7 @@ class TextStream:
     ids: list[int]
     params: SamplingParams
     lock: threading.Lock | None = None
+    probe: GenerationProbe | None = None
     stats: GenerationStats = field(init=False)
     text: str = field(init=False, default="")
 
@@ -154,11 +202,19 @@ class TextStream:
         self.stats = GenerationStats(prompt_tokens=len(self.ids))
 
     def __iter__(self) -> Iterator[str]:
-        if self.lock is None:
-            yield from self._run()
-        else:
-            with self.lock:
+        probe = self.probe or GenerationProbe()
+        if self.stats.queued_at is None:  # a server sets it when the request arrived
+            self.stats.queued_at = time.perf_counter()
+        with probe.queued():
+            if self.lock is not None:
+                self.lock.acquire()
+        self.stats.started_at = time.perf_counter()
+        try:
+            with probe.running(self.stats):
                 yield from self._run()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def _run(self) -> Iterator[str]:
         stops = [s for s in self.params.stop if s]
@@ -168,8 +224,9 @@ class TextStream:
         text = ""
         t0 = time.perf_counter()
         finish = None
+        tokens = self.backend.generate(self.ids, self.params)
         try:
-            for tid in self.backend.generate(self.ids, self.params):
+            for tid in tokens:
                 if not gen:
                     self.stats.time_to_first_token_s = time.perf_counter() - t0
                 gen.append(tid)
@@ -197,9 +254,15 @@ class TextStream:
                 if len(text) > emitted:
                     yield text[emitted:]
                     emitted = len(text)
+        except GeneratorExit:  # the consumer closed the stream (a client hung up): stop generating
+            finish = "cancelled"
+            raise
         finally:
+            if hasattr(tokens, "close"):
+                tokens.close()  # ends the backend's loop now (llama.cpp releases its context lock here)
             self.text = text[:emitted]
-            self.stats.total_s = time.perf_counter() - t0
+            self.stats.ended_at = time.perf_counter()
+            self.stats.total_s = self.stats.ended_at - t0
             self.stats.finish_reason = finish
 
 

@@ -4,7 +4,9 @@
 Exposure limits: the request body is capped (413), max_tokens is capped (400), and every client
 mistake (invalid UTF-8 or JSON, a bad sampling parameter, a prompt longer than the context) is a
 400 with a one-line message in OpenAI's error shape. One generation runs at a time per backend
-(llama.cpp contexts are not re-entrant); other requests wait their turn.
+(llama.cpp contexts are not re-entrant); other requests wait their turn, counted by a
+`GenerationProbe` (`app.state.generations`, also in /health). A client that hangs up mid-stream ends
+its generation: the stream is closed, which closes the backend's token loop.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.backend import Backend, SamplingParams, ServingError
-from serving.chat_session import GenerationStats, chat_stream, completion_stream
+from serving.chat_session import GenerationProbe, GenerationStats, chat_stream, completion_stream
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -191,7 +193,9 @@ def _extras(stats: GenerationStats, dropped: int = 0, notice: str | None = None)
 
 
 async def _pull(gen: Iterator[str]) -> AsyncIterator[str]:
-    """Iterate a blocking generator off the event loop; close it (releasing its lock) at the end."""
+    """Iterate a blocking generator off the event loop; close it (ending the generation, releasing its
+    lock) at the end. A client that hangs up cancels this task: the close is shielded, as an await in a
+    cancelled scope would otherwise raise before closing, leaving the model generating for nobody."""
     done = object()
     try:
         while True:
@@ -200,7 +204,8 @@ async def _pull(gen: Iterator[str]) -> AsyncIterator[str]:
                 return
             yield item
     finally:
-        await anyio.to_thread.run_sync(gen.close)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(gen.close)
 
 
 def _sse(obj: dict) -> str:
@@ -210,7 +215,9 @@ def _sse(obj: dict) -> str:
 def create_app(backend: Backend, config: ServerConfig | None = None, lock: threading.Lock | None = None) -> FastAPI:
     cfg = config or ServerConfig(model_id=backend.name)
     lock = lock or threading.Lock()
+    probe = GenerationProbe()  # counted under the lock: at most one active generation, ever
     app = FastAPI(title="prodip", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.generations = probe
     created = int(time.time())
 
     @app.exception_handler(RequestError)
@@ -223,7 +230,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None, lock: threa
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "backend": backend.name, "model": cfg.model_id, "n_ctx": backend.n_ctx}
+        return {"status": "ok", "backend": backend.name, "model": cfg.model_id, "n_ctx": backend.n_ctx,
+                "generations": probe.snapshot()}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -240,8 +248,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None, lock: threa
         messages = _messages(body)
         params = sampling_from_body(body, cfg.max_tokens_cap)
         stream_mode = _stream_flag(body)
+        arrived = time.perf_counter()
         prepared, stream = await anyio.to_thread.run_sync(_locked, chat_stream, backend, messages, params)
-        stream.lock = lock
+        stream.lock, stream.probe, stream.stats.queued_at = lock, probe, arrived
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         headers = {"X-Prodip-Dropped-Messages": str(prepared.dropped)}
         if not stream_mode:
@@ -279,8 +288,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None, lock: threa
         prompt = _prompt(body)
         params = sampling_from_body(body, cfg.max_tokens_cap)
         stream_mode = _stream_flag(body)
+        arrived = time.perf_counter()
         stream = await anyio.to_thread.run_sync(_locked, completion_stream, backend, prompt, params)
-        stream.lock = lock
+        stream.lock, stream.probe, stream.stats.queued_at = lock, probe, arrived
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice(text: str, finish: str | None) -> dict:

@@ -184,15 +184,16 @@ class OnnxBackend:
         logits, _ = self._step(self._check_ids(ids), 0, self.empty_past())
         return logits[0]
 
-    def logits_incremental(self, ids: Sequence[int]) -> np.ndarray:
-        """(T, V) like `logits`, but the sequence goes through the KV cache one token at a time."""
+    def logits_incremental(self, ids: Sequence[int], prefix: int = 0) -> np.ndarray:
+        """(T, V) like `logits`, through the KV cache: `prefix` tokens in one pass, then one at a time."""
         a = self._check_ids(ids)
         past = self.empty_past()
-        rows = []
-        for t in range(a.shape[1]):
-            logits, past = self._step(a[:, t:t + 1], t, past)
-            rows.append(logits[0, 0])
-        return np.stack(rows)
+        rows, start = [], 0
+        for end in range(min(max(prefix, 1), a.shape[1]), a.shape[1] + 1):
+            logits, past = self._step(a[:, start:end], start, past)
+            rows.append(logits[0])
+            start = end
+        return np.concatenate(rows)
 
     def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Stream sampled ids; stops at an end-of-turn id (not yielded), max_new_tokens or the context end.

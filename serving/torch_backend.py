@@ -1,7 +1,9 @@
-"""PyTorch backend: serves a training checkpoint (a RUN_DIR or one checkpoint folder) directly.
+"""PyTorch backend: the training model (`training.model.Transformer`) in fp32, as a `Backend`.
 
-The reference runtime: fp32, the one model definition (`training.model.Transformer`), KV-cached
-decoding through `forward_with_cache`, sampling through the shared `serving.backend.sample_next`.
+The reference runtime. `TorchBackend(path)` serves a checkpoint (a RUN_DIR or one checkpoint folder);
+`TorchBackend.from_model(model, tokenizer)` wraps a model already in memory (parity's fp32 reference
+and its safetensors reload). KV-cached decoding goes through `forward_with_cache`, sampling through the
+shared `serving.backend.sample_next`.
 """
 
 from __future__ import annotations
@@ -14,25 +16,48 @@ import torch
 
 from serving.backend import SamplingParams, ServingError, sample_next
 from training.checkpoint import CheckpointError, load_model
+from training.model import Transformer
+from training.tokenizer import Tokenizer
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ServingError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)  # process-wide, as llama.cpp's n_threads is per model
 
 
 class TorchBackend:
     name = "torch"
 
     def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, step: int | None = None):
-        if threads is not None:
-            if threads < 1:
-                raise ServingError(f"threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)  # process-wide, as llama.cpp's n_threads is per model
+        set_threads(threads)
         try:
-            self.model, self.checkpoint = load_model(path, step=step, device=device)
+            model, self.checkpoint = load_model(path, step=step, device=device)
         except CheckpointError as e:
             raise ServingError(str(e)) from None
-        self.path = Path(path)
-        self.device = torch.device(device)
-        self.tokenizer = self.checkpoint.tokenizer
-        self.n_ctx = self.model.cfg.max_seq_len
-        self.eos_ids = (self.tokenizer.eos_id, self.tokenizer.im_end_id)
+        self._bind(model, self.checkpoint.tokenizer, Path(path))
+
+    @classmethod
+    def from_model(cls, model: Transformer, tokenizer: Tokenizer, *, name: str = "torch",
+                   path: str | Path | None = None, threads: int | None = None) -> TorchBackend:
+        """A backend over a model in memory (put in eval mode; its device is kept)."""
+        if tokenizer.vocab_size != model.cfg.vocab_size:
+            raise ServingError(f"tokenizer has {tokenizer.vocab_size} tokens, the model {model.cfg.vocab_size}")
+        set_threads(threads)
+        self = cls.__new__(cls)
+        self.checkpoint = None
+        self._bind(model, tokenizer, Path(path) if path is not None else None)
+        self.name = name
+        return self
+
+    def _bind(self, model: Transformer, tokenizer: Tokenizer, path: Path | None) -> None:
+        self.model = model.eval()
+        self.path = path
+        self.device = next(model.parameters()).device
+        self.tokenizer = tokenizer
+        self.n_ctx = model.cfg.max_seq_len
+        self.eos_ids = (tokenizer.eos_id, tokenizer.im_end_id)
 
     def tokenize(self, text: str, *, bos: bool = True, allow_special: bool = False) -> list[int]:
         return self.tokenizer.encode(text, bos=bos, allow_special=allow_special)  # normalizes first
@@ -54,6 +79,19 @@ class TorchBackend:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """(T, V) fp32 next-token logits for every position, through the full-sequence path."""
         return self.model(self._check_ids(ids))[0].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def logits_incremental(self, ids: Sequence[int], prefix: int = 0) -> np.ndarray:
+        """(T, V) like `logits`, through the KV cache: `prefix` tokens in one pass, then one at a time."""
+        x = self._check_ids(ids)
+        first = min(max(prefix, 1), x.shape[1])
+        rows, past, start = [], None, 0
+        for end in range(first, x.shape[1] + 1):
+            pos = torch.arange(start, end, device=self.device)[None]
+            out, past = self.model.forward_with_cache(x[:, start:end], pos, past)
+            rows.append(out[0])
+            start = end
+        return torch.cat(rows).float().cpu().numpy()
 
     @torch.inference_mode()
     def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]:

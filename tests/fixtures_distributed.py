@@ -2,8 +2,8 @@
 
 `torchrun … tests/fixtures_distributed.py ARGS`: train.main with a defect on rank 1 only.
 
-Rank 1's optimizer factory builds optimizers over stale parameter copies, so its overfit-one-batch
-gate (which trains a local copy of the model on that rank's own batch) fails while rank 0's passes:
+Rank 1's Trainer builds every optimizer after its training one over stale parameter copies, so its
+overfit-one-batch gate (which trains a local copy of the model on that rank's own batch) fails while rank 0's passes:
 the gate verdicts differ between ranks, and both ranks must still stop together.
 
 `torchrun … tests/fixtures_distributed.py fused_adamw`: the fused AdamW kernel (what train.py uses on
@@ -24,24 +24,26 @@ for p in (str(HERE.parent), str(HERE)):
 import gates_plants as P  # noqa: E402
 
 import training.train as T  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
 
 FAULTY_RANK = 1
 
 
+class FaultyOptimizers(Trainer):
+    """Every optimizer after the training one (the overfit gate's) steps stale parameter copies."""
+
+    def new_optimizer(self, module):
+        self._built = getattr(self, "_built", 0) + 1
+        if self._built == 1:  # the first one is the training optimizer: left intact
+            return super().new_optimizer(module)
+        return P.stale_optimizer(super().new_optimizer)(module)
+
+
 def main(argv: list[str]) -> int:
-    base = T.make_optimizer
-    calls = {"n": 0}
-
-    def make_optimizer(model, cfg, device):
-        calls["n"] += 1
-        if calls["n"] == 1:  # the first one is the training optimizer: left intact
-            return base(model, cfg, device)
-        return P.stale_optimizer(lambda m: base(m, cfg, device))(model)
-
     if argv[:1] == ["fused_adamw"]:
         return fused_adamw_on_dtensors()
     if int(os.environ.get("RANK", "0")) == FAULTY_RANK:
-        T.make_optimizer = make_optimizer
+        T.Trainer = FaultyOptimizers  # train.train() builds the Trainer it finds in training.train
     return T.main(argv)
 
 

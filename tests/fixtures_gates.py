@@ -1,5 +1,5 @@
 """Fixtures for tests/test_gates.py: a real prepared data folder (the repo's own corpus through
-`training.prepare`) and a PreflightContext built the way train.py builds it."""
+`training.prepare`) and a PreflightContext built the way the Trainer builds it."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from conftest import REPO
 
 from training import distributed as D
 from training.config import TrainConfig
-from training.data import read_shard, write_shard
-from training.gates import PreflightContext
+from training.data import pretraining_data, read_shard, write_shard
+from training.gates.context import PreflightContext
 from training.model import Transformer, flops_per_token
+from training.optim import make_optimizer
 from training.prepare import prepare
 from training.text import normalize
 from training.tokenizer import Tokenizer, train_tokenizer
-from training.train import autocast_for, make_optimizer, pretraining_batches
+from training.trainer import autocast_for
 
 CORPUS = REPO / "training" / "assets" / "corpus"
 VOCAB = 1024
@@ -79,12 +80,12 @@ def train_cfg(data: Path, out: Path | None = None, **over) -> TrainConfig:
 
 def make_ctx(data: Path, *, plant=None, loader=None, optimizer=None, cfg: TrainConfig | None = None,
              seed: int = 0) -> PreflightContext:
-    """PreflightContext as train.py builds it (single process, CPU); `plant(model)` injects a defect,
+    """PreflightContext as the Trainer builds it (single process, CPU); `plant(model)` injects a defect,
     `loader(train_loader)` / `optimizer(factory)` wrap the data loader / optimizer factory."""
     cfg = cfg or train_cfg(data)
     d = D.Dist()
     device = torch.device("cpu")
-    batches = pretraining_batches(cfg, d)
+    batches = pretraining_data(cfg, d)
     if loader is not None:
         batches.train = loader(batches.train)
     mcfg = cfg.model_config(batches.tokenizer.vocab_size)

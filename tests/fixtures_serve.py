@@ -1,42 +1,30 @@
-"""Shared fixtures for the serving / HTTP / demo tests: a tiny Bangla chat model trained for real.
+"""Shared fixtures for the serving / HTTP / demo tests: a tiny Bangla chat model made by the real CLIs.
 
-The corpus is the Bangla text bundled with the package (training/assets/corpus), so these tests
-never skip for missing data. The model is the "tiny" preset, trained for a few dozen AdamW steps on
-a few memorized Bangla answers, enough to answer every test in Bangla.
+The suite's pretrained run (conftest `tiny_run`: training/train.py on training/assets/corpus) is
+fine-tuned by training/sft.py on a few questions, each answered by a Bangla paragraph of the shipped
+corpus, until it has memorized them: greedy replies to these questions are those paragraphs, reliably
+Bangla and long enough to arrive in several streamed pieces. Everything comes from training/assets,
+so these tests never skip for missing data.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import CHAT_SET, CORPUS, REPO
 
-from training import checkpoint
-from training.chat import encode as chat_encode
-from training.model import Transformer, preset
 from training.text import normalize
-from training.tokenizer import train_tokenizer
 
-CORPUS = Path(__file__).resolve().parents[1] / "training" / "assets" / "corpus"
-VOCAB = 1024
-STEPS = int(os.environ.get("PRODIP_TEST_SERVE_STEPS", "50"))
+STEPS = int(os.environ.get("PRODIP_TEST_SERVE_STEPS", "40"))  # assistant-token loss ~0.04 by then
 LR = 3e-3
-SEED = 0
+SEQ = 128  # rows of one conversation each; the longest is ~90 tokens (context stays 256)
 
-
-def bangla_lines() -> list[str]:
-    lines = []
-    for f in sorted(CORPUS.glob("bn_*.txt")):
-        lines += [normalize(x.strip()) for x in f.read_text(encoding="utf-8").splitlines() if x.strip()]
-    return lines
-
-
-# The questions the tests ask. Each gets a long Bangla answer (a corpus paragraph) that the model
-# memorizes, so replies are reliably Bangla and long enough to arrive in several streamed pieces.
+# The questions the tests ask. Each gets a long Bangla answer (a corpus paragraph) that the model memorizes.
 BN_QUESTION = "ভাই, ডিমের হালি কত?"  # the question most tests ask
 QUESTIONS = (
     BN_QUESTION,
@@ -54,84 +42,58 @@ def clip(text: str, n: int = ANSWER_CHARS) -> str:
     return text[:n].rsplit(" ", 1)[0]
 
 
-def training_sequences(tok, lines: list[str]) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) per sequence: chat turns (loss on the answer) and plain text (loss on all)."""
-    paragraphs = [x for x in lines if len(x) > 2 * ANSWER_CHARS]
-    seqs = []
-    for i, q in enumerate(QUESTIONS):
-        a = clip(paragraphs[i])
-        enc = chat_encode(tok, [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                          add_generation_prompt=False)
-        seqs.append((enc.ids, enc.assistant_mask))
-    for p in paragraphs[len(QUESTIONS):len(QUESTIONS) + 2]:
-        ids = tok.encode(f"{RAW_PROMPT}, {clip(p)}", bos=True, eos=True)
-        seqs.append((ids, [1] * len(ids)))
-    return seqs
+def bangla_paragraphs() -> list[str]:
+    lines = [normalize(x.strip()) for f in sorted(CORPUS.glob("bn_*.txt"))
+             for x in f.read_text(encoding="utf-8").splitlines()]
+    return [x for x in lines if len(x) > 2 * ANSWER_CHARS]
 
 
-def build_tiny_run(run_dir: Path, steps: int = STEPS) -> Path:
-    torch.manual_seed(SEED)
-    lines = bangla_lines()
-    tok = train_tokenizer(lines, VOCAB, num_threads=1)
-    cfg = preset("tiny", vocab_size=tok.vocab_size, max_seq_len=256)
-    seqs = training_sequences(tok, lines)
-    width = max(len(ids) for ids, _ in seqs)
-    x = torch.full((len(seqs), width), tok.pad_id, dtype=torch.long)
-    m = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, (ids, mask) in enumerate(seqs):
-        x[r, :len(ids)] = torch.tensor(ids)
-        m[r, :len(ids)] = torch.tensor(mask)
-    inputs, targets, loss_mask = x[:, :-1], x[:, 1:], m[:, 1:]
-    model = Transformer(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    model.train()
-    for _ in range(steps):
-        _, loss = model(inputs, targets, loss_mask=loss_mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    model.eval()
-    checkpoint.save(run_dir, steps, weights=checkpoint.weights_for_save(model.state_dict(), cfg), cfg=cfg,
-                    tokenizer=tok, state={"final_loss": loss.item()})
-    return run_dir
+def write_chats(path: Path) -> Path:
+    """The questions with their answers (split "train"), and one shipped conversation held out (split
+    "test"), so no memorized question lands in SFT's validation split."""
+    paragraphs = bangla_paragraphs()
+    records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": clip(paragraphs[i])}],
+                "split": "train"} for i, q in enumerate(QUESTIONS)]
+    held_out = json.loads(CHAT_SET.read_text(encoding="utf-8").splitlines()[0])
+    records.append({"messages": held_out["messages"], "split": "test"})
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
 
 
-def _cache_key() -> str:
-    """Changes whenever this recipe, the step count, torch or the lead's training code changes."""
-    h = hashlib.sha256(Path(__file__).read_bytes())
-    for f in ("model.py", "tokenizer.py", "checkpoint.py", "chat.py", "text.py"):
-        h.update((CORPUS.parents[1] / f).read_bytes())
-    h.update(f"{STEPS}|{torch.__version__}".encode())
-    return h.hexdigest()[:16]
+def run_sft(*args: str) -> None:
+    """`python training/sft.py ARGS` in a subprocess, as a user runs it."""
+    p = subprocess.run([sys.executable, str(REPO / "training" / "sft.py"), *args], capture_output=True, text=True,
+                       cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if p.returncode != 0:
+        raise AssertionError(f"sft.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+
+
+# Test modules import the fixtures below by name, which makes each module's copy a fixture of its own
+# (pytest re-runs a session fixture per defining module): the built run is kept here, so SFT runs once.
+_BUILT: dict[Path, Path] = {}  # tiny_run -> chat run
+_GGUF: dict[Path, Path] = {}  # chat run -> its F16 GGUF
 
 
 @pytest.fixture(scope="session")
-def serve_run(request, tmp_path_factory) -> Path:
-    """A RUN_DIR holding one checkpoint of a tiny Bangla chat model (a fresh copy per session).
-
-    Training costs ~10-40 s on a shared 2-core machine, so the trained run is kept in pytest's own
-    cache (.pytest_cache), keyed by everything it depends on; `pytest --cache-clear` retrains."""
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("serve") / "run"
-    cache = getattr(request.config, "cache", None)  # absent under `-p no:cacheprovider`
-    if cache is None:
-        return build_tiny_run(out)
-    cached = cache.mkdir(f"prodip-serve-run-{_cache_key()}") / "run"
-    if checkpoint.latest(cached) is None:
-        shutil.rmtree(cached, ignore_errors=True)
-        build_tiny_run(cached)
-    shutil.copytree(cached, out)
+def serve_run(tiny_run, tmp_path_factory) -> Path:
+    """A RUN_DIR holding the tiny Bangla chat model (its own folder: tests may export into it)."""
+    if tiny_run in _BUILT:
+        return _BUILT[tiny_run]
+    root = tmp_path_factory.mktemp("serve")
+    out = root / "run"
+    run_sft("--init", str(tiny_run), "--data", str(write_chats(root / "chats.jsonl")), "--out", str(out),
+            "--max-steps", str(STEPS), "--batch-size", str(len(QUESTIONS)), "--seq-len", str(SEQ), "--lr", str(LR),
+            "--warmup-steps", "5",
+            "--eval-every", str(STEPS), "--save-every", str(STEPS), "--log-every", str(STEPS))
+    _BUILT[tiny_run] = out
     return out
 
 
-def try_export_gguf(run_dir: Path, types: tuple[str, ...] = ("F16",)) -> Path | None:
-    """The tiny run exported to GGUF through export.gguf (RUN/export/gguf/), or None while that
-    module is absent."""
-    try:
-        from export.gguf import export_gguf
-        from export.manifest import Manifest, default_out_dir, load_source
-    except ImportError:
-        return None
+def try_export_gguf(run_dir: Path, types: tuple[str, ...] = ("F16",)) -> Path:
+    """The run exported to GGUF through export.gguf (RUN/export/gguf/)."""
+    from export.gguf import export_gguf
+    from export.manifest import Manifest, default_out_dir, load_source
+
     src = load_source(run_dir)
     out = default_out_dir(src)
     manifest = Manifest.open(out, src, force=True)
@@ -141,5 +103,7 @@ def try_export_gguf(run_dir: Path, types: tuple[str, ...] = ("F16",)) -> Path | 
 
 
 @pytest.fixture(scope="session")
-def serve_gguf(serve_run) -> Path | None:
-    return try_export_gguf(serve_run)
+def serve_gguf(serve_run) -> Path:
+    if serve_run not in _GGUF:
+        _GGUF[serve_run] = try_export_gguf(serve_run)
+    return _GGUF[serve_run]

@@ -24,10 +24,12 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from fixtures_reliability import REPO, child_env, rel_run, run_cli, train_argv, tree_digest  # noqa: F401
 from safetensors.torch import load_file
 
 from training import checkpoint as ckpt
+from training import layout
 
 SEED = 20240607
 STEPS = 40
@@ -38,23 +40,42 @@ ATTEMPT_TIMEOUT_S = 240
 MAX_ATTEMPTS = 60
 
 
-def _log_records(run: Path) -> list[dict]:
-    f = run / "log.jsonl"
+def _log_records(run: Path, *, live: bool = True) -> list[dict]:
+    """The step records of RUN/log.jsonl, parsed strictly: every complete line is one JSON object, and
+    a line that is not fails the test. While a run may be writing (`live`), a last line without its
+    newline is a write in flight, or one torn by a kill that the next resume drops; it is left out.
+    Once the run is over (`live=False`) even that fails."""
+    f = run / layout.LOG
     if not f.is_file():
         return []
+    *lines, tail = f.read_text(encoding="utf-8").split("\n")  # tail: "" when the file ends with a newline
+    assert live or not tail, f"{f}: a torn last line survived the run: {tail!r}"
     out = []
-    for line in f.read_text(encoding="utf-8").splitlines():
+    for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by the kill; the next resume drops it
+        except json.JSONDecodeError as e:
+            raise AssertionError(f"{f}:{n}: not a JSON record ({e.msg}): {line!r}") from None
+        assert isinstance(rec, dict), f"{f}:{n}: not a JSON object: {line!r}"
         if "loss" in rec and "step" in rec:
             out.append(rec)
     return out
 
 
 def _step_losses(run: Path) -> list[tuple[int, float, float]]:
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in _log_records(run)]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in _log_records(run, live=False)]
+
+
+def test_log_records_are_parsed_strictly(tmp_path):
+    """Control for the parser the kill test trusts: a garbage line fails it, a torn tail only once the run is over."""
+    good = json.dumps({"step": 1, "loss": 7.0, "grad_norm": 1.0})
+    (tmp_path / layout.LOG).write_text(f"{good}\n" + '{"step": 2, "lo')
+    assert [r["step"] for r in _log_records(tmp_path)] == [1]
+    with pytest.raises(AssertionError, match="torn last line"):
+        _log_records(tmp_path, live=False)
+    (tmp_path / layout.LOG).write_text(f"{good}\nnot json\n{good}\n")
+    with pytest.raises(AssertionError, match=r"log.jsonl:2: not a JSON record"):
+        _log_records(tmp_path)
 
 
 def _latest_step(run: Path) -> int:
@@ -214,7 +235,7 @@ def _assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 def test_full_disk_during_save_is_a_clean_error(rel_run, tmp_path):  # noqa: F811
-    data = json.loads((rel_run / "config.json").read_text())["train"]["data"]
+    data = layout.read_run_config(rel_run)["train"]["data"]
     used = sum(-(-p.stat().st_size // PAGE) * PAGE for p in rel_run.rglob("*") if p.is_file())
     ballast = BALLAST_CHECKPOINTS * sum(p.stat().st_size for p in ckpt.latest(rel_run).iterdir())
     mnt = tmp_path / "small-disk"

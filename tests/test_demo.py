@@ -21,6 +21,7 @@ from demo.app import (
     history_to_messages,
     launch,
 )
+from demo.models import QUICKSTART_CHAT, QUICKSTART_RUN, quickstart_gguf_dir
 from serving import load
 from serving.backend import SamplingParams
 from training.text import script_counts
@@ -82,11 +83,14 @@ def check_streamed_bangla_reply(url: str, label: str) -> None:
     assert all(reply.startswith(p) for p in partial if p not in ("", "…"))
 
 
-def test_discovers_checkpoint_and_exports(demo, serve_gguf):  # noqa: F811
+def test_discovers_checkpoint_and_exports(demo, serve_gguf, serve_run):  # noqa: F811
     _, entries = demo
     kinds = [e.backend for e in entries]
-    assert kinds[0] == "torch"
-    assert ("llama.cpp" in kinds) == (serve_gguf is not None)
+    assert kinds[0] == "torch" and "llama.cpp" in kinds
+    # from a file under RUN/export/gguf the run is found (training.layout.run_dir_of): its checkpoint too
+    from_gguf = discover_models(serve_gguf)
+    assert from_gguf[0].path == serve_gguf
+    assert [e.path.resolve() for e in from_gguf if e.backend == "torch"] == [serve_run.resolve()]
 
 
 def test_torch_reply_is_streamed_bangla(demo):
@@ -95,8 +99,6 @@ def test_torch_reply_is_streamed_bangla(demo):
 
 
 def test_llamacpp_reply_is_streamed_bangla(demo, serve_gguf):  # noqa: F811
-    if serve_gguf is None:
-        pytest.skip("export.gguf is not available: no GGUF to serve")
     # A llama.cpp backend must let its tokenizer be used while generate() is suspended mid-stream
     # (the streaming layer decodes every new token); probe that first rather than hang the demo.
     b = load(serve_gguf, threads=1)
@@ -153,18 +155,19 @@ def test_missing_model_and_default_lookup(tmp_path, serve_run, monkeypatch):  # 
         default_model(tmp_path)
     # the quickstart run's checkpoint, then its Q4_K_M GGUF (preferred), also through $PRODIP_HOME
     home = tmp_path / "home"
-    qs = home / "runs" / "quickstart" / "chat"  # demo.quickstart's chat-tuned run
+    qs = home / QUICKSTART_RUN / QUICKSTART_CHAT  # demo.quickstart's chat-tuned run
     qs.parent.mkdir(parents=True)
     os.symlink(serve_run, qs)
     monkeypatch.setenv("PRODIP_HOME", str(home))
     assert default_model(tmp_path).resolve() == serve_run.resolve()
-    gguf_dir = qs / "export" / "gguf"
+    gguf_dir = quickstart_gguf_dir(home / QUICKSTART_RUN)
+    assert gguf_dir == qs / "export" / "gguf"  # the path docs/serving.md and the README give
     gguf_dir.mkdir(parents=True, exist_ok=True)
-    (gguf_dir / "quickstart-Q4_K_M.gguf").write_bytes(b"")
+    (gguf_dir / "chat-Q4_K_M.gguf").write_bytes(b"")
     try:
-        assert default_model(tmp_path) == gguf_dir / "quickstart-Q4_K_M.gguf"
+        assert default_model(tmp_path) == gguf_dir / "chat-Q4_K_M.gguf"
     finally:
-        (gguf_dir / "quickstart-Q4_K_M.gguf").unlink()
+        (gguf_dir / "chat-Q4_K_M.gguf").unlink()
 
 
 def test_cli_without_a_model_says_run_the_quickstart(tmp_path):

@@ -16,6 +16,7 @@ import torch
 from conftest import REPO, run_train
 
 from training import checkpoint as ckpt
+from training import layout
 from training.data import TokenStream, WindowLoader
 
 STEPS = 8
@@ -73,7 +74,7 @@ def test_ddp_matches_single_process_with_double_batch(bn_data: Path, single: Pat
     out = tmp_path / "ddp"
     p = train_dist(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4")
     assert "2x cpu" in p.stdout and "DDP" in p.stdout
-    assert json.loads((out / "config.json").read_text())["train"]["batch_size"] == 4
+    assert layout.read_run_config(out)["train"]["batch_size"] == 4
     assert_rank0_wrote_once(p, out)
     assert json.loads((out / "gates.json").read_text())["passed"]
     assert_same_curve(steps(single), steps(out))

@@ -1,4 +1,9 @@
-"""Evaluation: bits per byte by hand, the twin gate, multiple choice, the CLIs, exported backends."""
+"""Evaluation: bits per byte by hand, the twin gate, multiple choice, the CLIs, exported backends.
+
+Everything here runs on a fresh clone: the trained model is conftest's `tiny_run` (train.py on
+training/assets/corpus), scored on the original held-out text and multiple-choice sets in
+training/assets/eval. Only `test_shared_eval_files_*` reads ../shared/data (opt-in breadth).
+"""
 
 from __future__ import annotations
 
@@ -13,18 +18,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures_evaluate import REPO, SHARED, TinyRun, corpus_lines
+from conftest import REPO, shared_path
+from fixtures_evaluate import EVAL_ASSETS, HELDOUT, MC_BN, MC_EN, TrainedRun, corpus_lines, heldout_lines
 
 from training import evaluate as ev
-from training.gates import GateResult
+from training.gates.result import GateResult
 from training.model import ModelConfig
 from training.text import normalize
 
 # the fixtures (re-exported so pytest finds them here)
-corpus_tokenizer, tiny_run, one_thread = fx.corpus_tokenizer, fx.tiny_run, fx.one_thread
+corpus_tokenizer, trained, run_copy, one_thread = fx.corpus_tokenizer, fx.trained, fx.run_copy, fx.one_thread
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-EVAL_DIR = SHARED / "eval"
 
 
 class ByteProvider:
@@ -39,6 +43,11 @@ class ByteProvider:
 
     def token_logprobs(self, ids):
         return np.array([-(t % 4 + 1) * math.log(2) for t in ids[1:]])
+
+
+def _write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n", encoding="utf-8")
+    return path
 
 
 # --- bits per byte by hand ------------------------------------------------------------------------
@@ -73,6 +82,19 @@ def test_split_documents_caps_size_and_keeps_text():
     assert "".join(d for _, d in docs) == text
     assert all(len(d) <= 100 for _, d in docs)
     assert {lang for lang, _ in docs} == {"bn", "en"}
+
+
+def test_text_from_jsonl_records_and_limit(tmp_path):
+    """--text FILE.jsonl scores each record's "text" (records are document boundaries); --limit caps it."""
+    texts = ["আমি ভাত খাই।", "I eat rice.", "ঘরে যাই।"]
+    path = _write_jsonl(tmp_path / "held.jsonl", [{"text": texts[0]}, texts[1], {"text": texts[2], "id": 3}])
+    docs = ev.read_text_docs([path])
+    assert docs == [("bn", texts[0]), ("en", texts[1]), ("bn", texts[2])]
+    assert ev.read_text_docs([path], limit_chars=len(texts[0]) + 3) == [("bn", texts[0]), ("en", "I e")]
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "ok"}, {"txt": "no"}])
+    with pytest.raises(ev.EvalError, match=r"bad\.jsonl:2: expected a string or an object with a string \"text\""):
+        ev.read_text_docs([bad])
+    assert ev.read_text_docs([HELDOUT], max_chars=10**6) == ev.split_documents(HELDOUT.read_text("utf-8"), 10**6)
 
 
 def test_bits_per_byte_equals_hand_computation_with_torch(corpus_tokenizer):
@@ -129,8 +151,8 @@ def test_mc_scorer_picks_hand_checked_answers():
     # " a": 0x20 -> 1 bit, 0x61 -> 2 bits: 3 bits over 2 bytes (1.5/byte)
     # " dddd": 1 + 4 * 1 = 5 bits over 5 bytes (1.0/byte)
     # " cc": 1 + 2 * 4 = 9 bits over 3 bytes (3.0/byte)
-    items = [ev.MCItem(["Q:"] * 3, [ev._join("Q:", c) for c in ("a", "dddd", "cc")], gold=0),
-             ev.MCItem(["Q:"] * 2, [ev._join("Q:", c) for c in ("cc", "dddd")], gold=1)]
+    items = [ev.MCItem(["Q:"] * 3, [ev.join_choice("Q:", c) for c in ("a", "dddd", "cc")], gold=0),
+             ev.MCItem(["Q:"] * 2, [ev.join_choice("Q:", c) for c in ("cc", "dddd")], gold=1)]
     scores = ev.score_mc(ByteProvider(), items, progress=False)
     assert scores.loglik[0] == pytest.approx([-3 * math.log(2), -5 * math.log(2), -9 * math.log(2)])
     assert scores.predictions("acc") == [0, 1]
@@ -139,6 +161,8 @@ def test_mc_scorer_picks_hand_checked_answers():
     s = scores.summary()
     assert s["acc"]["correct"] == 2 and s["acc_norm_byte"]["correct"] == 1
     assert s["chance"] == pytest.approx((1 / 3 + 1 / 2) / 2)
+    with pytest.raises(ev.EvalError, match="unknown score kind"):
+        scores.predictions("acc_norm_token")
 
 
 def test_wilson_interval_known_values():
@@ -147,11 +171,6 @@ def test_wilson_interval_known_values():
     lo, hi = ev.wilson_interval(0, 10)
     assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
     assert all(math.isnan(x) for x in ev.wilson_interval(0, 0))
-
-
-def _write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n", encoding="utf-8")
-    return path
 
 
 def test_formats_and_chance_for_2_4_5_way_sets(tmp_path):
@@ -183,24 +202,43 @@ def test_formats_and_chance_for_2_4_5_way_sets(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"query": "q", "choices": ["a", "b"], "gold": 2}\n', "gold index 2 out of range"),
-    ('{"foo": 1}\n', "unknown multiple-choice record"),
-    ('{"query": "q", "choices": ["a", "b"], "gold": 0}\n{oops\n', ":2: invalid JSON"),
+    ('{"query": "q", "choices": ["a", "b"], "gold": 2}\n', r"bad\.jsonl:1: gold index 2 out of range"),
+    ('{"foo": 1}\n', r"bad\.jsonl:1: unknown multiple-choice record"),
+    ('{"query": "q", "choices": ["a", "b"], "gold": 0}\n\n{oops\n', r"bad\.jsonl:3: invalid JSON"),
     ('[{"instruction": "q", "option_a": "a", "option_b": "b", "answer": "Z"}]', "answer must be a letter"),
+    ('[\n {"query": "q", "choices": ["a", "b"], "gold": 0},\n {"query": "q", "choices": ["a"], "gold": 0}\n]',
+     r"bad\.jsonl:3: needs at least 2 choices"),
+    ('{"query": "q", "choices": 5, "gold": 0}\n', r"bad\.jsonl:1: malformed record"),
+    ("\n\n", r"bad\.jsonl: no multiple-choice items"),
 ])
 def test_bad_mc_files_raise_one_line_errors(tmp_path, content, message):
     p = tmp_path / "bad.jsonl"
-    p.write_text(content)
-    with pytest.raises(ev.EvalError, match=message):
+    p.write_text(content, encoding="utf-8")
+    with pytest.raises(ev.EvalError, match=message) as e:
         ev.load_mc(p)
+    assert "\n" not in str(e.value)
+
+
+def test_shipped_mc_sets_parse_with_exact_chance():
+    """The original sets in training/assets/eval: 18 four-way + 6 three-way Bangla items, 16 four-way +
+    8 two-way English ones; every gold index in range; a folder expands to both files."""
+    assert ev.expand_mc_paths([EVAL_ASSETS]) == [MC_BN, MC_EN]
+    for path, ways, chance in [(MC_BN, {"3": 6, "4": 18}, (18 / 4 + 6 / 3) / 24), (MC_EN, {"2": 8, "4": 16}, 1 / 3)]:
+        fmt, items = ev.load_mc(path)
+        assert fmt == "llm-foundry" and len(items) == 24
+        assert ev.chance_rate(items) == pytest.approx(chance)
+        summary = ev.score_mc(ByteProvider(), items, progress=False).summary()
+        assert summary["ways"] == ways and summary["n"] == 24
+        assert all(it.continuations[it.gold].startswith(" ") for it in items)
+    assert ev.mc_set_name(MC_BN) == "prodip_mc_bn"
 
 
 def test_shared_eval_files_parse_with_expected_chance():
-    if not EVAL_DIR.is_dir():
-        pytest.skip(f"shared data absent ({EVAL_DIR})")
+    """Opt-in breadth: the real benchmark files in ../shared/data/eval (skips when absent)."""
+    eval_dir = shared_path("eval")
     expect = {"arc_easy": 0.25, "copa": 0.5, "piqa": 0.5, "winogrande": 0.5, "hellaswag_val_1000": 0.25,
               "siqa": None, "commonsense_qa": None}
-    for path in ev.expand_mc_paths([EVAL_DIR / "en_mc", EVAL_DIR / "bn_mc"]):
+    for path in ev.expand_mc_paths([eval_dir / "en_mc", eval_dir / "bn_mc"]):
         fmt, items = ev.load_mc(path, limit=300)
         name = ev.mc_set_name(path)
         assert 0 < len(items) <= 300
@@ -214,75 +252,89 @@ def test_shared_eval_files_parse_with_expected_chance():
 # --- the twin gate and a trained model ------------------------------------------------------------
 
 
-def _heldout_windows(run: TinyRun, n_windows: int = 24, width: int = 65) -> torch.Tensor:
+def _heldout_windows(run: TrainedRun, n_windows: int = 16, width: int = 65) -> torch.Tensor:
     ids: list[int] = []
-    for s in run.heldout:
+    for s in heldout_lines():
         ids += run.tokenizer.encode(s, bos=True, eos=True)
     n = min(n_windows, len(ids) // width)
+    assert n >= 8, f"only {len(ids)} held-out tokens"
     return torch.tensor(ids[: n * width]).view(n, width)
 
 
-def test_twin_gate_fails_untrained_and_passes_trained(tiny_run):
-    windows = _heldout_windows(tiny_run)
-    untrained = ev.make_twin(tiny_run.cfg, seed=99)
-    bad = ev.twin_gate(untrained, tiny_run.cfg, windows)
-    good = ev.twin_gate(tiny_run.model, tiny_run.cfg, windows)
+def test_twin_gate_fails_untrained_and_passes_trained(trained):
+    windows = _heldout_windows(trained)
+    untrained = ev.make_twin(trained.cfg, seed=99)
+    bad = ev.twin_gate(untrained, trained.cfg, windows)
+    good = ev.twin_gate(trained.model, trained.cfg, windows)
     assert isinstance(bad, GateResult) and bad.name == good.name == "twin"
     assert not bad.passed and "has not learned" in bad.detail
     assert good.passed, good.detail
-    r = ev.nll_twin(tiny_run.model, tiny_run.cfg, windows)
+    r = ev.nll_twin(trained.model, trained.cfg, windows)
     assert r.twin - r.model >= ev.TWIN_MARGIN
-    assert r.twin == pytest.approx(math.log(tiny_run.cfg.vocab_size), abs=0.5)  # random init: near uniform
-    # (inputs, targets) batches as WindowLoader.next_batch gives them score the same
+    assert r.twin == pytest.approx(math.log(trained.cfg.vocab_size), abs=0.5)  # random init: near uniform
+    # (inputs, targets) batches as WindowLoader.next_batch gives them, and uint16 arrays, score the same
     pairs = [(windows[i: i + 8, :-1], windows[i: i + 8, 1:]) for i in range(0, len(windows), 8)]
-    r2 = ev.nll_twin(tiny_run.model, None, pairs)
-    assert (r2.model, r2.twin, r2.tokens) == (pytest.approx(r.model, rel=1e-5), pytest.approx(r.twin, rel=1e-5), r.tokens)
+    for other in (pairs, windows.numpy().astype(np.uint16)):
+        r2 = ev.nll_twin(trained.model, None, other)
+        assert (r2.model, r2.twin, r2.tokens) == (pytest.approx(r.model, rel=1e-5), pytest.approx(r.twin, rel=1e-5),
+                                                  r.tokens)
 
 
-def test_trained_model_picks_bangla_over_gibberish(tiny_run):
-    lines = [s for s in tiny_run.heldout if len(s) > 40][:3]
+def test_trained_model_picks_bangla_over_gibberish(trained):
+    lines = [s for s in heldout_lines() if len(s) > 40][:3]
     items = []
     for k, s in enumerate(lines):  # hand-checked: the real Bangla continuation, not Latin/digit noise
         ctx, cont = s[:20], s[20:40]
         wrong = ["zq xv kwj pfh qqz zx", "7@#9 ~~ ^^ 0x1F 0x2A", "QWRTY PLMKN ZXCVB"][: 1 + k]
         choices = wrong[:k] + [cont] + wrong[k:]
-        items.append(ev.MCItem([ctx] * len(choices), [ev._join(ctx, c) for c in choices], gold=k))
-    provider = ev.TorchProvider(tiny_run.model, tiny_run.tokenizer)
+        items.append(ev.MCItem([ctx] * len(choices), [ev.join_choice(ctx, c) for c in choices], gold=k))
+    provider = ev.TorchProvider(trained.model, trained.tokenizer)
     scores = ev.score_mc(provider, items, progress=False)
     for kind in ev.SCORE_KINDS:
         assert scores.predictions(kind) == [0, 1, 2], kind
     assert scores.summary()["chance"] == pytest.approx((1 / 2 + 1 / 3 + 1 / 4) / 3)
 
 
-def test_lm_metrics_trained_vs_twin(tiny_run):
-    docs = ev.split_documents("\n".join(tiny_run.heldout[:60]))
-    m = ev.evaluate_lm(ev.TorchProvider(tiny_run.model, tiny_run.tokenizer), docs, progress=False)
-    t = ev.evaluate_lm(ev.TorchProvider(ev.make_twin(tiny_run.cfg), tiny_run.tokenizer), docs, progress=False)
-    assert set(m) == {"bn", ev.ALL}
-    assert m[ev.ALL].bits_per_byte < t[ev.ALL].bits_per_byte - 0.2
-    assert m[ev.ALL].bytes == t[ev.ALL].bytes == sum(len(d.encode()) for _, d in docs)
+def test_lm_metrics_trained_vs_twin(trained):
+    docs = ev.read_text_docs([HELDOUT])
+    m = ev.evaluate_lm(ev.TorchProvider(trained.model, trained.tokenizer), docs, progress=False)
+    t = ev.evaluate_lm(ev.TorchProvider(ev.make_twin(trained.cfg), trained.tokenizer), docs, progress=False)
+    assert set(m) == {"bn", "en", ev.ALL}
+    assert m[ev.ALL].bytes == t[ev.ALL].bytes == len(normalize(HELDOUT.read_text("utf-8")).encode("utf-8"))
+    assert m["bn"].bytes + m["en"].bytes == m[ev.ALL].bytes
+    for lang in ("bn", ev.ALL):
+        assert m[lang].bits_per_byte < t[lang].bits_per_byte - 0.2, lang
 
 
 # --- the CLI --------------------------------------------------------------------------------------
 
 
-def test_cli_writes_reports_and_model_card(tiny_run, tmp_path, capsys):
-    run = tiny_run.run_dir
+def test_cli_writes_reports_and_model_card(trained, run_copy, capsys):
+    run = run_copy
     (run / "export").mkdir(exist_ok=True)
     card = run / "export" / "README.md"
     card.write_text("# tiny model\n\nSome card text.\n")
-    mc = _write_jsonl(tmp_path / "llm-foundry__mini.jsonl", [
-        {"query": tiny_run.heldout[i][:20], "choices": [tiny_run.heldout[i][20:40], "zq xv kwj pfh"], "gold": 0}
-        for i in range(4)])
-    args = [str(run), "--text", str(tiny_run.heldout_file), "--mc", str(mc), "--limit", "20", "--no-progress"]
+    args = [str(run), "--text", str(HELDOUT), "--mc", str(EVAL_ASSETS), "--limit", "30", "--no-progress"]
     assert ev.main(args) == 0
     report = json.loads((run / "eval" / "eval.json").read_text())
+    assert report["prodip_eval"] == 1 and report["kind"] == "checkpoint"
     assert [m["name"] for m in report["models"]] == ["model", "twin"]
     assert report["gates"][0]["name"] == "twin" and report["gates"][0]["passed"]
-    lm = report["models"][0]["lm"]
-    assert lm["all"]["bits_per_byte"] < report["models"][1]["lm"]["all"]["bits_per_byte"]
-    assert report["models"][0]["mc"]["mini"]["n"] == 4 and report["models"][0]["mc"]["mini"]["chance"] == 0.5
-    assert report["step"] == 150
+    model, twin = report["models"]
+    assert model["lm"]["all"]["bits_per_byte"] < twin["lm"]["all"]["bits_per_byte"]
+    assert twin["delta_vs"] == "model" and twin["delta"]["bits_per_byte"]["all"] > 0
+    assert set(model["mc"]) == {"prodip_mc_bn", "prodip_mc_en"} and twin["mc"] == {}
+    assert report["mc_files"]["prodip_mc_bn"] == {"path": str(MC_BN), "format": "llm-foundry"}
+    for name, chance in (("prodip_mc_bn", 6.5 / 24), ("prodip_mc_en", 1 / 3)):
+        s = model["mc"][name]
+        assert s["n"] == 24 and s["chance"] == pytest.approx(chance)
+        lo, hi = s["acc"]["ci95"]
+        assert lo <= s["acc"]["value"] <= hi and (lo, hi) == pytest.approx(ev.wilson_interval(s["acc"]["correct"], 24))
+    assert report["step"] == trained.step
+    # the run's data (prepared from training/assets) was decontaminated against every shipped eval set
+    assert report["decontamination"] == {str(HELDOUT): "decontaminated", str(MC_BN): "decontaminated",
+                                         str(MC_EN): "decontaminated"}
+    assert "| decontaminated |" in (run / "eval" / "eval.md").read_text()
     assert (run / "eval" / "eval.png").stat().st_size > 1000
     assert "bits/byte" in (run / "eval" / "eval.md").read_text()
     text = card.read_text()
@@ -297,21 +349,44 @@ def test_cli_writes_reports_and_model_card(tiny_run, tmp_path, capsys):
     assert [m["name"] for m in json.loads((run / "eval" / "eval.json").read_text())["models"]] == ["model"]
 
 
-def test_cli_errors_are_one_line(tiny_run, tmp_path, capsys):
-    run = str(tiny_run.run_dir)
+def test_cli_gate_fails_for_an_untrained_checkpoint(trained, tmp_path):
+    """--fail-on-gate exits 1 when the checkpoint is no better than its twin (here: the twin itself)."""
+    from training.checkpoint import save, weights_for_save
+
+    twin = ev.make_twin(trained.cfg, seed=0)
+    run = tmp_path / "untrained"
+    save(run, 1, weights=weights_for_save(twin.state_dict(), trained.cfg), cfg=trained.cfg,
+         tokenizer=trained.tokenizer, state={"tokens": 0})
+    args = [str(run), "--text", str(HELDOUT), "--no-progress", "--fail-on-gate", "--out", str(tmp_path / "o")]
+    assert ev.main(args) == 1
+    gate = json.loads((tmp_path / "o" / "eval.json").read_text())["gates"][0]
+    assert not gate["passed"] and "has not learned" in gate["detail"]
+
+
+def test_cli_errors_are_one_line(trained, tmp_path, capsys):
+    run = str(trained.run_dir)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nope": 1}\n')
-    for args in ([run], [run, "--mc", str(bad)], [str(tmp_path / "missing"), "--text", str(tiny_run.heldout_file)],
-                 [run, "--text", str(tmp_path / "none.txt")], [run, "--mc", str(bad), "--limit", "0"]):
+    for args in ([run], [run, "--mc", str(bad)], [str(tmp_path / "missing"), "--text", str(HELDOUT)],
+                 [run, "--text", str(tmp_path / "none.txt")], [run, "--mc", str(bad), "--limit", "0"],
+                 [run, "--text", str(HELDOUT), "--margin", "-1"]):
         assert ev.main([*args, "--out", str(tmp_path / "o")]) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
 
 
-def test_module_entry_point_reports_errors():
+def test_module_entry_point(run_copy):
+    """`python -m training.evaluate RUN --text FILE --mc FILE` as docs/eval.md shows it, and its errors."""
     r = subprocess.run([sys.executable, "-m", "training.evaluate", "/nonexistent/run", "--text", "x"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "training.evaluate", str(run_copy), "--text", str(HELDOUT),
+                        "--mc", str(MC_EN), "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "| twin | pass |" in r.stdout and "wrote " in r.stdout
+    report = json.loads((run_copy / "eval" / "eval.json").read_text())
+    assert report["models"][0]["mc"]["prodip_mc_en"]["n"] == 24
 
 
 # --- exported files through serving backends ------------------------------------------------------
@@ -326,46 +401,47 @@ def _backend_or_skip(kind: str, path: Path):
         pytest.skip(f"serving backend {kind} not available yet: {e}")
 
 
-def test_backend_provider_matches_torch_provider(tiny_run):
+def test_backend_provider_matches_torch_provider(trained):
     """The torch serving backend, wrapped as a provider, scores like TorchProvider (same logits)."""
     from export.evaluate import BackendProvider
 
-    backend = _backend_or_skip("torch", tiny_run.run_dir)
+    backend = _backend_or_skip("torch", trained.run_dir)
     try:
         bp = BackendProvider(backend, name="served")
-        docs = ev.split_documents("\n".join(tiny_run.heldout[:10]))
+        docs = ev.split_documents("\n".join(heldout_lines()[:10]))
         a = ev.evaluate_lm(bp, docs, progress=False)[ev.ALL]
-        b = ev.evaluate_lm(ev.TorchProvider(tiny_run.model, tiny_run.tokenizer), docs, progress=False)[ev.ALL]
+        b = ev.evaluate_lm(ev.TorchProvider(trained.model, trained.tokenizer), docs, progress=False)[ev.ALL]
         assert a.tokens == b.tokens and a.bits_per_byte == pytest.approx(b.bits_per_byte, rel=1e-4)
     finally:
         backend.close()
 
 
-def _exported(tiny_run: TinyRun, kind: str, tmp: Path) -> Path:
+def _exported(run: TrainedRun, kind: str, tmp: Path) -> Path:
     """Export the tiny run with the export stage's own writers (fp32 ONNX, F16 GGUF)."""
     if kind == "onnx":
         from export.onnx import export_onnx
 
-        return next(p for p in export_onnx(tiny_run.run_dir, tmp / "onnx") if p.suffix == ".onnx")
+        return next(p for p in export_onnx(run.run_dir, tmp / "onnx") if p.suffix == ".onnx")
     from export.gguf import write_gguf
     from export.manifest import load_source
 
-    return write_gguf(load_source(tiny_run.run_dir), tmp / "gguf" / "tiny-F16.gguf", "F16")
+    return write_gguf(load_source(run.run_dir), tmp / "gguf" / "tiny-F16.gguf", "F16")
 
 
 @pytest.mark.parametrize("kind", ["onnx", "gguf"])
-def test_export_cli_scores_exported_file_with_deltas(tiny_run, tmp_path, kind):
+def test_export_cli_scores_exported_file_with_deltas(trained, tmp_path, kind):
     from export.evaluate import main as export_main
 
-    path = _exported(tiny_run, kind, tmp_path)
+    path = _exported(trained, kind, tmp_path)
     _backend_or_skip("onnx" if kind == "onnx" else "llama.cpp", path).close()
     out = tmp_path / "eval"
-    assert export_main([str(path), "--reference", str(tiny_run.run_dir), "--text", str(tiny_run.heldout_file),
-                        "--limit", "3", "--out", str(out), "--no-progress", "--threads", "1"]) == 0
+    assert export_main([str(path), "--reference", str(trained.run_dir), "--text", str(HELDOUT),
+                        "--mc", str(MC_BN), "--limit", "3", "--out", str(out), "--no-progress", "--threads", "1"]) == 0
     report = json.loads((out / "eval.json").read_text())
     ref, exp = report["models"]
     assert ref["name"] == "torch (reference)" and exp["delta_vs"] == ref["name"]
     assert ref["lm"]["all"]["bytes"] == exp["lm"]["all"]["bytes"]
+    assert exp["mc"]["prodip_mc_bn"]["n"] == 3 and "prodip_mc_bn" in exp["delta"]["acc"]
     # an fp32/F16 export loses (almost) nothing: the bits-per-byte delta is tiny
     assert abs(exp["delta"]["bits_per_byte"]["all"]) < 0.05
 

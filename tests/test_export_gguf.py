@@ -12,13 +12,16 @@ from fixtures_export import exported, trained_run  # noqa: F401  (fixtures)
 from export.gguf import inspect_gguf, write_gguf
 from export.manifest import Manifest, load_source
 from export.modelfile import render as render_modelfile
+from export.parity import PROMPTS
 from serving.backend import SamplingParams, ServingError
 from serving.llamacpp import LlamaCppBackend
+from serving.torch_backend import TorchBackend
 from training import checkpoint
 from training.chat import CHAT_TEMPLATE, OLLAMA_TEMPLATE
 from training.model import Transformer, preset
 
 FP32_TOL = 1e-4
+GREEDY_TOKENS = 24
 TEXT = "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি। Hello 123"
 
 
@@ -104,16 +107,24 @@ def test_llamacpp_f32_reproduces_checkpoint_logits_and_tokenizer(trained_run, ex
         got = b.logits(ids)
         assert got.shape == ref.shape and np.abs(got - ref).max() <= FP32_TOL
         assert np.abs(b.logits_incremental(ids, prefix=3) - got).max() <= FP32_TOL
-        # greedy generation follows the reference's argmax chain
-        greedy = list(b.generate(ids, SamplingParams.greedy(8)))
-        x = list(ids)
-        with torch.no_grad():
-            for t in greedy:
-                assert int(model(torch.tensor([x]))[0, -1].argmax()) == t
-                x.append(t)
         p = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=7)
         a, c = list(b.generate(ids, p)), list(b.generate(ids, p))
         assert a == c and len(a) >= 1
+
+
+def test_llamacpp_f32_greedy_continuations_equal_pytorch_in_full(trained_run, exported):  # noqa: F811
+    """Whole greedy continuations (every token, and where each one stops), not a shared prefix."""
+    model, ck = checkpoint.load_model(trained_run)
+    ref = TorchBackend.from_model(model, ck.tokenizer)
+    greedy = SamplingParams.greedy(GREEDY_TOKENS)
+    generated = 0
+    with LlamaCppBackend(_file(exported, "F32")) as b:
+        for text in (TEXT, *PROMPTS):
+            ids = ck.tokenizer.encode(text, bos=True)
+            want = list(ref.generate(ids, greedy))  # may be empty: </s> right after a full stop
+            assert list(b.generate(ids, greedy)) == want, text
+            generated += len(want)
+    assert generated >= GREEDY_TOKENS, "too few tokens generated to compare"
 
 
 def test_backend_rejects_other_architectures_and_bad_ids(tmp_path, exported):  # noqa: F811

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from fixtures_export import TATOEBA, exported, trained_run  # noqa: F401  (fixtures)
+from fixtures_export import exported, shipped_texts, tatoeba_lines, trained_run  # noqa: F401  (fixtures)
 from safetensors.torch import load_file, save_file
 
 from export.__main__ import main
@@ -69,16 +69,16 @@ def test_transformers_loads_and_reproduces_logits(trained_run, exported):  # noq
     assert hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == render(msgs)
 
 
-def test_transformers_tokenizer_matches_on_tatoeba(trained_run, exported):  # noqa: F811
-    if not TATOEBA.is_file():
-        pytest.skip(f"{TATOEBA} not found")
+@pytest.mark.parametrize("texts", [shipped_texts, tatoeba_lines], ids=["shipped", "tatoeba"])
+def test_transformers_tokenizer_matches_training(trained_run, exported, texts):  # noqa: F811
+    """AutoTokenizer on every shipped text (always), and on Tatoeba (opt-in: ../shared/data)."""
     from transformers import AutoTokenizer
 
+    lines = texts()
     hf_tok = AutoTokenizer.from_pretrained(exported / "hf", local_files_only=True)
     tok = checkpoint.load(trained_run).tokenizer
-    lines = [normalize(x) for x in TATOEBA.read_text(encoding="utf-8").splitlines()]
     bad = [x for x, ids in zip(lines, hf_tok(lines)["input_ids"], strict=True) if ids != tok.encode(x, bos=True)]
-    assert not bad, f"{len(bad)} lines differ, e.g. {bad[:2]}"
+    assert len(lines) > 1000 and not bad, f"{len(bad)} of {len(lines)} lines differ, e.g. {bad[:2]}"
 
 
 def _copy_run(trained_run, tmp_path):  # noqa: F811
@@ -114,7 +114,7 @@ def test_manifest_and_no_overwrite_without_force(trained_run, tmp_path, capsys):
     assert "model.safetensors" in printed and "MiB" in printed
     man = json.loads((out / "manifest.json").read_text())
     ck = checkpoint.latest(trained_run)
-    assert man["source"]["checkpoint"] == str(ck.resolve()) and man["source"]["step"] == 240
+    assert man["source"]["checkpoint"] == str(ck.resolve()) and man["source"]["step"] == int(ck.name.removeprefix("step_"))
     assert man["tokenizer_sha256"] == checkpoint.load(trained_run).tokenizer.sha256
     entry = man["files"]["hf/model.safetensors"]
     assert entry["size"] == (out / "hf" / "model.safetensors").stat().st_size and len(entry["sha256"]) == 64

@@ -41,14 +41,17 @@ import gates_runner
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import OPT_IN, REPO
 from fixtures_gates import BATCH, SEQ, SMALL, VOCAB, make_ctx, train_cfg, variant
 from safetensors.numpy import load_file
 
-from training import gates
-from training.gates import GateReport, GateResult, RuntimeMonitor, gradient_flow, run_preflight
-from training.gates_data import data_gate, tokenizer_gates
-from training.gates_model import compiled_vs_eager, overfit_one_batch, throughput, time_steps
+from training import gates, layout
+from training.evaluate import twin_gate
+from training.gates.data import data_gates, tokenizer_gates
+from training.gates.model import compiled_vs_eager, gradient_flow, overfit_one_batch, throughput, time_steps
+from training.gates.preflight import PREFLIGHT, run_preflight
+from training.gates.result import GateReport, GateResult
+from training.gates.runtime import RuntimeMonitor, clip_grad_norm_finite, gradient_flow_from_grads
 
 pytest_plugins = ("fixtures_gates",)  # gate_data, byte_data
 
@@ -124,7 +127,7 @@ def test_gradient_flow_catches_dead_rows(gate_data):
 
 def test_crashing_fused_path_fails_its_gate_without_traceback(gate_data):
     ctx = make_ctx(gate_data, plant=lambda m: P.fused_ffn(m, P.CrashingSwiGLU, layer=0))
-    results = run_preflight(ctx, gates={k: gates.PREFLIGHT[k] for k in ("frozen_parameters", "gradient_flow")})
+    results = run_preflight(ctx, gates={k: PREFLIGHT[k] for k in ("frozen_parameters", "gradient_flow")})
     only(results, {"gradient_flow"})
     assert "crashed: RuntimeError: fused_swiglu_backward: illegal memory access" in by_name(results)["gradient_flow"].detail
 
@@ -132,7 +135,7 @@ def test_crashing_fused_path_fails_its_gate_without_traceback(gate_data):
 def test_frozen_parameter(gate_data):
     frozen = []
     ctx = make_ctx(gate_data, plant=lambda m: frozen.append(P.freeze(m)))
-    results = run_preflight(ctx, gates={k: gates.PREFLIGHT[k] for k in ("frozen_parameters", "gradient_flow")})
+    results = run_preflight(ctx, gates={k: PREFLIGHT[k] for k in ("frozen_parameters", "gradient_flow")})
     only(results, {"frozen_parameters"})
     assert frozen[0] in by_name(results)["frozen_parameters"].detail
 
@@ -162,7 +165,7 @@ def test_fused_backward_wrong_with_exact_forward(gate_data):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("PRODIP_TEST_COMPILE") != "1",
-                    reason="real torch.compile on CPU takes minutes: set PRODIP_TEST_COMPILE=1")
+                    reason=f"{OPT_IN} real torch.compile on CPU takes minutes: set PRODIP_TEST_COMPILE=1")
 def test_real_torch_compile_matches_eager(gate_data):
     """torch.compile on CPU (needs a C++ compiler): the compiled object agrees with eager."""
     cfg = train_cfg(gate_data, compile=True)
@@ -224,7 +227,7 @@ def test_time_steps_reports_medians(gate_data):
 
 # --------------------------------------------------------------------------------------- data
 def test_repeating_loader(gate_data):
-    r = by_name(data_gate(make_ctx(gate_data, loader=P.RepeatingLoader)))
+    r = by_name(data_gates(make_ctx(gate_data, loader=P.RepeatingLoader)))
     assert not r["data.no_repeats"].passed
     assert r["data.no_repeats"].value == 60.0  # 64 windows, only the first batch's 4 rows distinct
     assert "the loader repeats windows" in r["data.no_repeats"].detail
@@ -232,7 +235,7 @@ def test_repeating_loader(gate_data):
 
 def test_train_val_overlap(gate_data, tmp_path):
     data = variant(gate_data, tmp_path / "overlap", val_from_train=True)
-    results = data_gate(make_ctx(data))
+    results = data_gates(make_ctx(data))
     only(results, {"data.train_val_disjoint"})
     r = by_name(results)["data.train_val_disjoint"]
     assert r.value == 1.0 and "also appears in training" in r.detail
@@ -240,7 +243,7 @@ def test_train_val_overlap(gate_data, tmp_path):
 
 def test_token_id_outside_vocabulary(gate_data, tmp_path):
     data = variant(gate_data, tmp_path / "badtok", bad_token=VOCAB + 5)
-    results = data_gate(make_ctx(data))
+    results = data_gates(make_ctx(data))
     only(results, {"data.token_range"})
     r = by_name(results)["data.token_range"]
     assert r.value == float(VOCAB + 5) and "shard_00000.bin" in r.detail
@@ -277,21 +280,35 @@ def test_report_is_a_table_and_json_and_skips_are_loud(tmp_path):
     assert "SKIPPED by user: b" in rep.summary()
     table = rep.table()
     assert "| b | SKIPPED (by user) |" in table and "ok \\| fine" in table
-    rep.save(tmp_path / "gates.json")
-    d = json.loads((tmp_path / "gates.json").read_text())  # strict JSON: NaN written as a string
+    rep.save(tmp_path / layout.GATES)
+    d = json.loads((tmp_path / layout.GATES).read_text())  # strict JSON: NaN written as a string
     assert d["results"][1]["value"] == "nan" and d["skipped_by_user"] == ["b"] and d["passed"] is True
-    assert GateReport.load(tmp_path / "gates.json").summary() == rep.summary()
+    assert GateReport.load(tmp_path / layout.GATES).summary() == rep.summary()
     with pytest.raises(gates.GateError, match="never passed"):
         gates.require_passed(tmp_path / "nowhere")
-    GateReport([GateResult("c", False, 0.0, "", "broken")]).save(tmp_path / "gates.json")
+    GateReport([GateResult("c", False, 0.0, "", "broken")]).save(tmp_path / layout.GATES)
     with pytest.raises(gates.GateError, match="1 of 1 gates FAILED: c"):
         gates.require_passed(tmp_path)
+    (tmp_path / layout.GATES).write_text('{"prodip_gates": 1, "results": [{"na')  # a crash mid-write
+    with pytest.raises(gates.GateError, match="unreadable gate report"):
+        gates.require_passed(tmp_path)
+
+
+def test_package_exports_what_the_stages_use():
+    """train.py, prepare, export and the card use these names through `training.gates`."""
+    assert gates.run_preflight is run_preflight and gates.RuntimeMonitor is RuntimeMonitor
+    assert gates.clip_grad_norm_finite is clip_grad_norm_finite
+    assert gates.gradient_flow_from_grads is gradient_flow_from_grads
+    assert gates.GateReport is GateReport and gates.GateResult is GateResult
+    assert {"GateError", "PreflightContext", "require_passed"} <= set(gates.__all__)
+    with pytest.raises(AttributeError, match="twin"):
+        gates.twin  # noqa: B018  (the twin gate is evaluation's: training.evaluate.twin_gate)
 
 
 def test_skip_gate_is_recorded_and_unknown_names_refused(gate_data):
     ctx = make_ctx(gate_data, plant=P.freeze)
     results = run_preflight(ctx, skip=["frozen_parameters", "data.no_repeats"],
-                            gates={k: gates.PREFLIGHT[k] for k in ("frozen_parameters", "data")})
+                            gates={k: PREFLIGHT[k] for k in ("frozen_parameters", "data")})
     only(results, set())
     r = by_name(results)
     assert r["frozen_parameters"].skipped and r["data.no_repeats"].skipped and "SKIPPED" in r["data.no_repeats"].detail
@@ -363,7 +380,7 @@ def test_cli_refuses_to_start_on_a_failed_preflight_gate(gate_data, tmp_path):
     assert lines[0].startswith("error: pre-flight gates failed, training not started: ")
     assert "gradient_flow" in lines[0] and "Traceback" not in p.stderr
     assert "layers.0.feed_forward.w1.weight" in lines[1]
-    report = json.loads((run / "gates.json").read_text())
+    report = json.loads((run / layout.GATES).read_text())
     assert report["passed"] is False and "gradient_flow" in report["failed"]
     assert "| gradient_flow | FAIL |" in p.stdout
     assert not (run / "checkpoints").exists()
@@ -409,7 +426,7 @@ def test_runtime_gradient_flow_catches_a_branch_detached_mid_run(gate_data, tmp_
     assert "error: step 3: runtime gradient-flow check failed: no gradient: " in err
     assert set(re.findall(r"[\w.]+\.weight", err)) == {f"layers.1.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")} | {
         "layers.1.attention_norm.weight"}
-    assert json.loads((run / "gates.json").read_text())["passed"] is True  # pre-flight could not see it
+    assert json.loads((run / layout.GATES).read_text())["passed"] is True  # pre-flight could not see it
 
 
 def test_skipped_preflight_gate_is_loud_and_the_runtime_check_still_catches(gate_data, tmp_path, capsys):
@@ -419,7 +436,7 @@ def test_skipped_preflight_gate_is_loud_and_the_runtime_check_still_catches(gate
     rc = _train("zero_grad_ffn", run, gate_data, *skip, "--grad-flow-every", "2")
     out, err = capsys.readouterr()
     assert rc == 2
-    report = json.loads((run / "gates.json").read_text())
+    report = json.loads((run / layout.GATES).read_text())
     assert report["passed"] is True and report["skipped_by_user"] == ["gradient_flow", "compiled_vs_eager"]
     assert "SKIPPED by user: gradient_flow, compiled_vs_eager" in report["summary"]
     assert "| gradient_flow | SKIPPED (by user) |" in out and "SKIPPED by user" in out.split("| tokenizer.balance")[1]
@@ -430,11 +447,10 @@ def test_skipped_preflight_gate_is_loud_and_the_runtime_check_still_catches(gate
 
 # ------------------------------------------------------------------------- healthy run + twin
 def test_healthy_run_passes_every_gate_and_beats_its_twin(gate_data, tmp_path, capsys):
-    pytest.importorskip("training.evaluate")
     run = tmp_path / "run"
     assert _train("none", run, gate_data, "--lr", "1e-2", "--grad-flow-every", "10", steps=60) == 0
     out = capsys.readouterr().out
-    report = json.loads((run / "gates.json").read_text())
+    report = json.loads((run / layout.GATES).read_text())
     assert report["passed"] is True and report["failed"] == [] and not report["skipped_by_user"]
     assert {r["name"] for r in report["results"]} == HEALTHY_NAMES
     assert "all 11 gates passed" in out
@@ -447,8 +463,8 @@ def test_healthy_run_passes_every_gate_and_beats_its_twin(gate_data, tmp_path, c
     model, ck = load_model(run)
     val = WindowLoader(TokenStream(gate_data, "val"), SEQ, shuffle=False)
     windows = [val.next_batch(BATCH) for _ in range(4)]
-    trained = gates.twin(model, windows)
+    trained = twin_gate(model, None, windows)
     assert trained.name == "twin" and trained.passed, trained.detail
     torch.manual_seed(1337)
-    untrained = gates.twin(Transformer(ck.config), windows)  # the run's own init, never stepped
+    untrained = twin_gate(Transformer(ck.config), None, windows)  # the run's own init, never stepped
     assert not untrained.passed and "has not learned" in untrained.detail

@@ -43,6 +43,7 @@ from fixtures_reliability import (  # noqa: F401  (pytest fixtures)
 )
 
 from training import checkpoint as ckpt
+from training import layout
 from training.data import HEADER, HEADER_SIZE
 
 PY = sys.executable
@@ -211,7 +212,8 @@ def train_out_not_a_run(a, d):
 
 def train_out_unreadable_config(a, d):
     run = _copy(a.run, d / "run")
-    (run / "config.json").write_text("{ not json")
+    cfg = run / layout.RUN_CONFIG
+    (cfg if cfg.is_file() else run / layout.LEGACY_RUN_CONFIG).write_text("{ not json")  # whichever the run holds
     return _train(a, a.data, run), [run]
 
 
@@ -287,6 +289,10 @@ def export_other_manifest(a, d):
 
 def export_bad_threshold(a, d):
     return [PY, "-m", "export", "parity", str(a.run), "--threshold", "kl"], []
+
+
+def export_new_tokens_zero(a, d):
+    return [PY, "-m", "export", "parity", str(a.run), "--new-tokens", "0"], []
 
 
 # ------------------------------------------------------------------------------------------- serving
@@ -398,6 +404,29 @@ def demo_gguf_other_arch(a, d):
     return [PY, "-m", "demo", "--model", str(d / "gpt2-F32.gguf"), "--port", "0"], [d / "gpt2-F32.gguf"]
 
 
+# ---------------------------------------------------------------------------------------- quickstart
+def _quickstart(d: Path, *extra: str) -> list[str]:
+    return [PY, "-m", "demo.quickstart", "--out", str(d / "qs"), "--no-demo", *extra]
+
+
+def quickstart_missing_corpus(a, d):
+    return _quickstart(d, "--corpus", str(d / "nope.txt")), []
+
+
+def quickstart_missing_chat(a, d):
+    return _quickstart(d, "--chat", str(d / "nope.jsonl")), []
+
+
+def quickstart_zero_steps(a, d):
+    return _quickstart(d, "--steps", "0"), []
+
+
+def quickstart_stage_fails(a, d):
+    """prepare refuses an empty corpus: its own error line, then the quickstart names the stage."""
+    (d / "empty.txt").write_text("")
+    return _quickstart(d, "--corpus", str(d / "empty.txt")), [d / "empty.txt"]
+
+
 CASES: list[tuple[str, Setup, str]] = [
     ("prepare-missing-corpus", prep_missing, "input not found"),
     ("prepare-empty-corpus", prep_empty, "no documents found"),
@@ -431,6 +460,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("export-tokenizer-vocab", export_tokenizer_vocab, "tokenizer has"),
     ("export-other-manifest", export_other_manifest, "another checkpoint"),
     ("export-bad-threshold", export_bad_threshold, "bad threshold"),
+    ("export-new-tokens-zero", export_new_tokens_zero, "--new-tokens must be >= 1"),
     ("serve-missing", serve_missing, "not found"),
     ("serve-gguf-other-arch", serve_gguf_other_arch, "architecture 'gpt2'"),
     ("serve-gguf-truncated", serve_gguf_truncated, "GGUF"),
@@ -447,6 +477,9 @@ CASES: list[tuple[str, Setup, str]] = [
     ("serve-tokenizer-mismatch", serve_tokenizer_mismatch, "does not match"),
     ("demo-missing-model", demo_missing, "not found"),
     ("demo-gguf-other-arch", demo_gguf_other_arch, "architecture 'gpt2'"),
+    ("quickstart-missing-corpus", quickstart_missing_corpus, "input not found"),
+    ("quickstart-missing-chat", quickstart_missing_chat, "input not found"),
+    ("quickstart-zero-steps", quickstart_zero_steps, "--steps must be >= 1"),
 ]
 
 
@@ -490,7 +523,7 @@ def outcomes(artifacts, tmp_path_factory) -> dict[str, tuple[subprocess.Complete
 
 def test_the_table_is_large_enough():
     assert len(CASES) >= 30 and len({c for c, _, _ in CASES}) == len(CASES)
-    assert {c.split("-")[0] for c, _, _ in CASES} == {"prepare", "train", "export", "serve", "demo"}
+    assert {c.split("-")[0] for c, _, _ in CASES} == {"prepare", "train", "export", "serve", "demo", "quickstart"}
 
 
 @pytest.mark.parametrize("cid,needle", [(c, n) for c, _, n in CASES], ids=[c for c, _, _ in CASES])
@@ -506,6 +539,17 @@ def test_hostile_input_is_one_clear_line(outcomes, cid, needle):
     assert needle in errors[0], detail
     for p, digest in before.items():
         assert after[p] == digest, f"{p} changed"
+
+
+def test_quickstart_names_the_failed_stage(artifacts, tmp_path):
+    """A stage's own `error:` line comes first; the quickstart's last line names the stage, exit 2."""
+    argv, keep = quickstart_stage_fails(artifacts, tmp_path)
+    before = tree_digest(keep[0])
+    r = run_cli(argv)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "error: no documents found" in r.stderr and last.startswith("error: prepare failed"), r.stderr[-3000:]
+    assert tree_digest(keep[0]) == before
 
 
 def test_debug_shows_the_traceback(artifacts, tmp_path):
@@ -608,13 +652,28 @@ def _reachable(host: str, port: int) -> bool:
         return False
 
 
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net/tcp{,6} spell them
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as the kernel lists them) of the sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(addr)
+    return found
+
+
 def test_server_binds_loopback_only_by_default(http_server):
     _, port = http_server
     assert _reachable("127.0.0.1", port)
-    ip = _external_ip()
-    if ip is None:
-        pytest.skip("no non-loopback address to try")
-    assert not _reachable(ip, port), f"the server answers on {ip}: it must bind 127.0.0.1 unless asked"
+    listening = _listening_addresses(port)
+    assert listening and listening <= LOOPBACK_HEX, f"the server listens on {listening}: it must bind 127.0.0.1"
+    ip = _external_ip()  # and, where the machine has another address, it does not answer there
+    assert ip is None or not _reachable(ip, port), f"the server answers on {ip}: it must bind 127.0.0.1 unless asked"
 
 
 def test_demo_defaults_are_private(rel_gguf):  # noqa: F811
@@ -630,6 +689,8 @@ def test_demo_defaults_are_private(rel_gguf):  # noqa: F811
         url = launch(app, port=port, block=False, quiet=True)
         assert url.startswith("http://127.0.0.1:") and app.share_url is None
         assert _reachable("127.0.0.1", port)
+        listening = _listening_addresses(port)
+        assert listening and listening <= LOOPBACK_HEX, f"the demo listens on {listening}"
         ip = _external_ip()
         if ip is not None:
             assert not _reachable(ip, port), f"the demo answers on {ip}"

@@ -1,4 +1,7 @@
-"""The OpenAI-compatible server: httpx against a real uvicorn on 127.0.0.1 (a free port)."""
+"""The OpenAI-compatible server: httpx against a real uvicorn on 127.0.0.1 (a free port).
+
+The server's own GenerationProbe (app.state.generations, counted under its generation lock) is what the
+one-at-a-time and stop-on-disconnect tests read: no mock, the real app's record of its generations."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,14 +20,16 @@ import uvicorn
 from conftest import REPO
 from fixtures_serve import (
     BN_QUESTION,
+    RAW_PROMPT,
     serve_run,  # noqa: F401  (pytest fixture)
 )
 
 from serving import load
+from serving.chat_session import GenerationProbe
 from serving.http import DEFAULT_HOST, ServerConfig, create_app, parse_bind
 from training.text import script_counts
 
-MAX_TOKENS_CAP = 64
+MAX_TOKENS_CAP = 192  # room for a long stream (context 256) that a hang-up must cut short
 MAX_BODY = 16 * 1024
 STARTUP_S = 60
 
@@ -46,7 +52,8 @@ def wait_up(url: str, timeout: float = STARTUP_S) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(serve_run):  # noqa: F811
+def live(serve_run):  # noqa: F811
+    """(url, the app's GenerationProbe) of a real server in this process."""
     backend = load(serve_run, threads=1)
     app = create_app(backend, ServerConfig(model_id="prodip-test", max_body_bytes=MAX_BODY,
                                            max_tokens_cap=MAX_TOKENS_CAP))
@@ -56,10 +63,26 @@ def server(serve_run):  # noqa: F811
     th.start()
     url = f"http://127.0.0.1:{port}"
     wait_up(url)
-    yield url
+    yield SimpleNamespace(url=url, probe=app.state.generations)
     srv.should_exit = True
     th.join(10)
     backend.close()
+
+
+@pytest.fixture(scope="module")
+def server(live) -> str:
+    return live.url
+
+
+def wait_idle(probe: GenerationProbe, finished: int, timeout: float = 30.0) -> None:
+    """Until `finished` generations have ended and none is running or waiting."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        snap = probe.snapshot()
+        if snap["finished"] >= finished and snap["active"] == 0 and snap["waiting"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"generations did not end in {timeout}s: {probe.snapshot()}")
 
 
 def post(url: str, path: str, **kw) -> httpx.Response:
@@ -194,11 +217,17 @@ def test_long_conversation_drops_oldest_turns_and_says_so(server):
     assert r.json()["prodip"]["dropped_messages"] > 0 and "dropped" in r.json()["prodip"]["notice"]
 
 
-def test_concurrent_requests_are_served_one_at_a_time(server):
+def test_concurrent_requests_are_served_one_at_a_time(live):
+    """Three requests at once: all answered, they did wait for each other (so the test means
+    something), and no two generations ever ran at the same moment."""
+    probe = live.probe
+    first = probe.snapshot()["finished"]
     results: list[int] = []
 
-    def one(seed: int) -> None:
-        results.append(post(server, "/v1/chat/completions", json=chat_body(seed=seed, max_tokens=8)).status_code)
+    def one(seed: int) -> None:  # long generations (near-uniform sampling), so the three overlap in time
+        body = {"prompt": RAW_PROMPT, "max_tokens": 64, "temperature": 3.0, "top_k": 0, "seed": seed,
+                "stream": bool(seed % 2)}
+        results.append(post(live.url, "/v1/completions", json=body).status_code)
 
     threads = [threading.Thread(target=one, args=(s,)) for s in range(3)]
     for t in threads:
@@ -206,6 +235,13 @@ def test_concurrent_requests_are_served_one_at_a_time(server):
     for t in threads:
         t.join(60)
     assert results == [200, 200, 200]
+    wait_idle(probe, first + 3)
+    assert probe.peak_active == 1, probe.snapshot()  # over every request this server has answered
+    assert probe.finished == first + 3
+    runs = sorted(list(probe.recent)[-3:], key=lambda st: st.started_at)
+    assert all(a.ended_at <= b.started_at for a, b in zip(runs, runs[1:])), "two generations overlapped"
+    assert any(st.queued_at < prev.ended_at for prev, st in zip(runs, runs[1:])), \
+        "the requests never waited for each other: nothing was tested"
 
 
 def test_parse_bind_defaults_to_loopback():
@@ -231,10 +267,32 @@ def test_cli_http_serves(serve_run):  # noqa: F811
     assert f"on http://127.0.0.1:{port}/v1" in err
 
 
-def test_client_disconnect_mid_stream_frees_the_model(server):
-    body = chat_body(stream=True, max_tokens=MAX_TOKENS_CAP)
-    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
-        next(r.iter_lines())  # the first event, then hang up
-    # the generation lock must be released: the next request is answered, not stuck behind it
-    r = post(server, "/v1/chat/completions", json=chat_body(max_tokens=4))
+def long_request(url: str) -> dict:
+    """A seeded completion request that, left alone, generates all MAX_TOKENS_CAP tokens (checked)."""
+    for seed in range(10):
+        body = {"prompt": RAW_PROMPT, "max_tokens": MAX_TOKENS_CAP, "temperature": 3.0, "top_k": 0, "top_p": 1.0,
+                "repetition_penalty": 1.0, "seed": seed}
+        if post(url, "/v1/completions", json=body).json()["usage"]["completion_tokens"] == MAX_TOKENS_CAP:
+            return body
+    raise AssertionError(f"no seed in 0..9 gives a {MAX_TOKENS_CAP}-token completion")
+
+
+def test_client_disconnect_mid_stream_stops_generation(live):
+    """A client that hangs up after the first streamed piece: the server's generation loop ends soon
+    after (cancelled, far short of max_tokens), and the model is free for the next request."""
+    probe = live.probe
+    body = long_request(live.url)
+    wait_idle(probe, probe.snapshot()["finished"])
+    first = probe.snapshot()["finished"]
+    with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # the first piece, then hang up
+    hung_up = time.perf_counter()
+    wait_idle(probe, first + 1)
+    assert probe.finished == first + 1
+    st = probe.recent[-1]
+    assert st.finish_reason == "cancelled", (st.finish_reason, st.completion_tokens)
+    assert st.completion_tokens < MAX_TOKENS_CAP // 2, st.completion_tokens
+    assert st.ended_at - hung_up < 2.0, f"generation ran on {st.ended_at - hung_up:.2f}s after the hang-up"
+    r = post(live.url, "/v1/chat/completions", json=chat_body(max_tokens=4))
     assert r.status_code == 200, r.text

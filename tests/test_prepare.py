@@ -103,23 +103,41 @@ def test_healthy_data_dir_layout_meta_and_report(healthy):
     assert not list(healthy.parent.glob(".data.*")), "temporary folders left behind"
 
 
-def test_shards_read_back_to_the_documents(healthy, corpus):
-    """Every document is in exactly one split, in input order, and decodes to its normalized text."""
-    meta = read_meta(healthy)
-    tok = Tokenizer.load(healthy)
-    all_docs = [d for f in resolve_inputs([corpus]) for d in iter_file_docs(f)]
-    decoded = {}
+def _decoded(data: Path) -> dict[str, list[str]]:
+    meta = read_meta(data)
+    tok = Tokenizer.load(data)
+    out = {}
     for split in ("train", "val"):
-        stream = TokenStream(healthy, split, vocab_size=meta["vocab_size"], tokenizer_sha256=meta["tokenizer_sha256"])
+        stream = TokenStream(data, split, vocab_size=meta["vocab_size"], tokenizer_sha256=meta["tokenizer_sha256"])
         assert stream.n_tokens == meta["splits"][split]["n_tokens"]
-        ids = np.concatenate([np.asarray(p) for p in stream.parts])
-        docs = split_docs(ids, tok.bos_id, tok.eos_id)
+        docs = split_docs(np.concatenate([np.asarray(p) for p in stream.parts]), tok.bos_id, tok.eos_id)
         assert len(docs) == meta["splits"][split]["n_docs"]
-        decoded[split] = [tok.decode(d) for d in docs]
+        out[split] = [tok.decode(d) for d in docs]
+    return out
+
+
+def test_shards_read_back_to_the_documents(healthy, corpus, tmp_path):
+    """With cleaning off, every document is in exactly one split, in input order, decoding to its
+    normalized text; with cleaning on (the default), exactly the removed ones are missing."""
+    all_docs = [d for f in resolve_inputs([corpus]) for d in iter_file_docs(f)]
+    raw = tmp_path / "raw"
+    prepare([corpus], raw, tokenizer=healthy / "tokenizer.model", filters=False, dedup=False,
+            shipped_eval_sets=False, **FAST)
+    decoded = _decoded(raw)
+    for split in ("train", "val"):
         assert is_subsequence(decoded[split], all_docs)
     assert sorted(decoded["train"] + decoded["val"]) == sorted(all_docs)
     assert not set(decoded["train"]) & set(decoded["val"]), "a document leaked across the split"
     assert 0.01 < len(decoded["val"]) / len(all_docs) < 0.15  # --val-fraction 0.05, by hash
+
+    cleaned = _decoded(healthy)
+    report = json.loads((healthy / "report.json").read_text())
+    docs = report["documents"]
+    assert docs["raw"] == len(all_docs) and docs["dropped"] == sum(docs["dropped_by_reason"].values()) > 0
+    assert len(cleaned["train"]) + len(cleaned["val"]) == len(all_docs) - docs["dropped"]
+    for split in ("train", "val"):
+        assert is_subsequence(cleaned[split], decoded[split])  # cleaning removes, never reorders or alters
+    assert not set(cleaned["train"]) & set(cleaned["val"])
 
 
 def test_deterministic_across_runs_and_worker_counts(healthy, corpus, tmp_path):
@@ -350,6 +368,8 @@ def test_healthy_tokenizer_on_the_whole_shared_training_corpus(tmp_path):
     assert all(g["passed"] for g in report["gates"]), report["gates"]
     langs = report["fertility"]["languages"]
     assert langs["bn"]["chars_per_token"] > 2.9 and langs["en"]["chars_per_token"] > 3.0
-    assert meta["vocab_size"] == 8192 and meta["splits"]["train"]["n_docs"] > 40_000
+    assert meta["vocab_size"] == 8192 and meta["splits"]["train"]["n_docs"] > 35_000
+    docs = report["documents"]
+    assert 0 < docs["dropped"] < 0.15 * docs["raw"], docs  # cleaning removes little of edited literature
     assert elapsed < 60, f"whole-corpus prepare took {elapsed:.0f} CPU seconds"
     assert SHARED.exists()

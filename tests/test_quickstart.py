@@ -3,13 +3,15 @@ parity, then a second run that reuses everything (the demo itself is covered by 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from conftest import REPO
+
+from demo.models import QUICKSTART_BASE, QUICKSTART_CHAT, QUICKSTART_DATA, quickstart_gguf_dir
+from training import layout
 
 
 def quickstart(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -24,17 +26,18 @@ def test_quickstart_runs_every_stage_then_reuses_them(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for stage in ("prepare", "pretrain", "sft", "export + parity"):
         assert f"=== {stage}: done" in p.stdout
-    report = json.loads((out / "data" / "report.json").read_text())
+    report = layout.read_json(out / QUICKSTART_DATA / layout.DATA_REPORT)
     assert all(g["passed"] for g in report["gates"])
-    assert json.loads((out / "base" / "gates.json").read_text())["passed"]
-    assert json.loads((out / "chat" / "config.json").read_text())["kind"] == "sft"
-    export = out / "chat" / "export"
-    assert sorted(p.name.split("-")[-1] for p in (export / "gguf").glob("*.gguf")) == \
-        ["F16.gguf", "Q4_K_M.gguf", "Q8_0.gguf"]
-    assert (export / "onnx" / "model.onnx").is_file() and (export / "hf" / "model.safetensors").is_file()
-    parity = json.loads((export / "parity.json").read_text())
+    assert layout.read_json(out / QUICKSTART_BASE / layout.GATES)["passed"]
+    assert layout.read_run_config(out / QUICKSTART_CHAT)["kind"] == "sft"
+    export = out / QUICKSTART_CHAT / layout.EXPORT
+    # the files docs/serving.md names: runs/quickstart/chat/export/gguf/chat-Q4_K_M.gguf
+    assert sorted(p.name for p in quickstart_gguf_dir(out).glob("*.gguf")) == \
+        ["chat-F16.gguf", "chat-Q4_K_M.gguf", "chat-Q8_0.gguf"]
+    assert (export / layout.ONNX_DIR / "model.onnx").is_file() and (export / layout.HF_DIR / "model.safetensors").is_file()
+    parity = layout.read_json(export / layout.PARITY_JSON)
     assert parity["passed"], parity.get("summary")
-    assert (export / "parity.md").is_file() and (export / "README.md").is_file()
+    assert (export / layout.PARITY_MD).is_file() and (export / layout.CARD).is_file()
 
     t0 = time.perf_counter()
     again = quickstart(out)

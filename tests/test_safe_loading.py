@@ -22,6 +22,7 @@ import torch
 from fixtures_reliability import REPO, FileMaker, plant_pickle, rel_run, run_cli, train_argv  # noqa: F401
 
 from training import checkpoint as ckpt
+from training import layout
 
 REFUSAL = "never unpickles"
 PARALLEL_CLIS = 2
@@ -92,7 +93,7 @@ def test_files_beside_a_checkpoint_are_never_read(rel_run, tmp_path):  # noqa: F
 
 
 def test_clis_refuse_a_pickle_and_never_run_it(rel_run, tmp_path):  # noqa: F811
-    data = Path(json.loads((rel_run / "config.json").read_text())["train"]["data"])
+    data = Path(layout.read_run_config(rel_run)["train"]["data"])
     cases = []  # (name, argv, expect_ok, marker)
     for where in ("model.safetensors", "optim.safetensors", "beside"):
         tag = where.split(".")[0]

@@ -11,7 +11,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from serving.backend import Backend, SamplingParams, ServingError, load
+from serving import load
+from serving.backend import Backend, SamplingParams, ServingError
 from serving.onnxrt import OnnxBackend
 
 # fixtures_onnx is both a plugin (session fixtures onnx_run, onnx_export, torch_model) and a helper module;
@@ -64,6 +65,7 @@ def test_logits_full_and_incremental_equal_torch(backend, torch_model):
     assert np.abs(full - ref).max() <= EXACT
     assert np.abs(inc - ref).max() <= EXACT
     assert np.abs(full - inc).max() <= EXACT
+    assert np.abs(backend.logits_incremental(ids, prefix=5) - ref).max() <= EXACT  # a batch, then one by one
 
 
 def test_greedy_generation_equals_torch(onnx_export, backend, torch_model):

@@ -29,7 +29,8 @@ from serving.chat_session import (
     prepare_chat,
 )
 from serving.torch_backend import TorchBackend
-from training.checkpoint import latest
+from training.checkpoint import latest, load_model
+from training.model import Transformer, preset
 from training.text import script_counts
 
 
@@ -177,6 +178,37 @@ def test_chat_session_keeps_turns(backend):
     assert session.messages[-1]["content"] == reply
     session.reset()
     assert [m["role"] for m in session.messages] == ["system"]
+
+
+def test_one_table_of_runtimes_and_aliases(serve_run, tmp_path):  # noqa: F811
+    import serving
+
+    assert serving.load is load  # where a newcomer looks for it
+    assert {a: serving.runtime_name("x", a) for a in ("gguf", "llamacpp", "ort", "pytorch", "hf")} == {
+        "gguf": "llama.cpp", "llamacpp": "llama.cpp", "ort": "onnx", "pytorch": "torch", "hf": "transformers"}
+    assert serving.runtime_name(tmp_path / "m.gguf") == "llama.cpp"
+    assert serving.runtime_name(tmp_path / "m.onnx") == "onnx"
+    assert serving.runtime_name(serve_run) == "torch"
+    (tmp_path / serving.HF_MARKER).write_text("{}")
+    assert serving.runtime_name(tmp_path) == "transformers"
+    with pytest.raises(ServingError, match="unknown backend 'tensorflow'; use llama.cpp, onnx, torch, transformers"):
+        load(serve_run, backend="tensorflow")
+    assert isinstance(load(serve_run, backend="pytorch"), TorchBackend)
+
+
+def test_from_model_is_the_same_runner(serve_run, backend):  # noqa: F811
+    """TorchBackend.from_model (parity's reference) and TorchBackend(path) are one runner."""
+    model, ck = load_model(serve_run)
+    b = TorchBackend.from_model(model, ck.tokenizer, name="reference")
+    assert b.name == "reference" and backend.name == "torch" and b.n_ctx == backend.n_ctx
+    ids = backend.tokenize(BN_QUESTION)
+    assert np.array_equal(b.logits(ids), backend.logits(ids))
+    greedy = SamplingParams.greedy(16)
+    assert list(b.generate(ids, greedy)) == list(backend.generate(ids, greedy))
+    for prefix in (0, 1, 5, len(ids)):  # the KV cache, from any split point, equals the full sequence
+        assert np.abs(b.logits_incremental(ids, prefix=prefix) - b.logits(ids)).max() <= 1e-4
+    with pytest.raises(ServingError, match=f"tokenizer has {ck.tokenizer.vocab_size} tokens, the model 512"):
+        TorchBackend.from_model(Transformer(preset("tiny", vocab_size=512)), ck.tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

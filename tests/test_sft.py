@@ -20,8 +20,9 @@ import torch
 from conftest import REPO, SHARED_DATA
 
 from training import checkpoint as ckpt
-from training import sft
+from training import layout, sft, sft_data
 from training.chat import CHAT_TEMPLATE, encode, render
+from training.data import ConversationLoader, DataError, collate
 from training.model import Transformer, preset, token_loss
 from training.text import normalize
 from training.tokenizer import train_tokenizer
@@ -65,8 +66,8 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 # ------------------------------------------------------------------------------------- loss masks
 def test_assistant_mask_covers_exactly_assistant_content_and_end_of_turn(tok):
-    row = sft.encode_row(tok, CONVERSATION, SEQ)
-    x, y, m = sft.collate([row], SEQ, tok.pad_id)
+    row = sft_data.encode_row(tok, CONVERSATION, SEQ)
+    x, y, m = collate([row], SEQ, tok.pad_id)
     n = len(row.ids) - 1
     targets, mask = y[0, :n], m[0, :n].bool()
     spans, cur = [], []
@@ -106,8 +107,8 @@ def token_roles(tok, ids: list[int]) -> list[str]:
 
 
 def test_perturbing_user_or_system_targets_leaves_loss_unchanged(tok, model):
-    rows = [sft.encode_row(tok, CONVERSATION, SEQ), sft.encode_row(tok, SHORT, SEQ)]
-    x, y, m = sft.collate(rows, SEQ, tok.pad_id)
+    rows = [sft_data.encode_row(tok, CONVERSATION, SEQ), sft_data.encode_row(tok, SHORT, SEQ)]
+    x, y, m = collate(rows, SEQ, tok.pad_id)
     with torch.no_grad():
         logits, base = model(x, y, loss_mask=m)
         # Targets do not change the logits: every position goes through the loss the forward computes
@@ -136,12 +137,12 @@ def test_perturbing_user_or_system_targets_leaves_loss_unchanged(tok, model):
 
 def test_right_padding_isolates_conversations(tok, model):
     """A conversation's per-token losses do not depend on its batch neighbours or on its padding."""
-    a, b = sft.encode_row(tok, SHORT, SEQ), sft.encode_row(tok, CONVERSATION, SEQ)
+    a, b = sft_data.encode_row(tok, SHORT, SEQ), sft_data.encode_row(tok, CONVERSATION, SEQ)
     n = len(a.ids) - 1
     with torch.no_grad():
-        x, y, m = sft.collate([a], SEQ, tok.pad_id)
+        x, y, m = collate([a], SEQ, tok.pad_id)
         alone = model(x, y, loss_mask=m, reduction="none")[1][0, :n]
-        x2, y2, m2 = sft.collate([b, a], SEQ, tok.pad_id)
+        x2, y2, m2 = collate([b, a], SEQ, tok.pad_id)
         x2[1, n:] = torch.randint(0, tok.vocab_size, (SEQ - n,), generator=torch.Generator().manual_seed(1))
         batched = model(x2, y2, loss_mask=m2, reduction="none")[1][1, :n]
     torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
@@ -155,7 +156,7 @@ def test_long_conversations_are_cut_and_counted(tok, tmp_path):
         {"messages": CONVERSATION * 6},  # longer than the row: cut, keeps its first assistant turns
         {"messages": [long_user, {"role": "assistant", "content": "উত্তর"}]},  # assistant beyond the row: dropped
     ])
-    d = sft.SFTData.load([str(data)], tok, 64)
+    d = sft_data.SFTData.load([str(data)], tok, 64)
     assert d.stats["train"]["conversations"] + d.stats["val"]["conversations"] == 2
     assert d.stats["train"]["truncated"] + d.stats["val"]["truncated"] == 1
     assert (d.stats["train"]["dropped_no_assistant_in_window"] + d.stats["val"]["dropped_no_assistant_in_window"]) == 1
@@ -175,9 +176,9 @@ def test_record_formats_are_read_alike(tmp_path):
                                                                   {"from": "gpt", "value": a}]}])
     arr = tmp_path / "arr.json"
     arr.write_text(json.dumps([{"instruction": u, "input": "", "output": a}], ensure_ascii=False))
-    got = [sft.read_records(p)[0].messages for p in (msgs, alpaca, share)]
+    got = [sft_data.read_records(p)[0].messages for p in (msgs, alpaca, share)]
     assert got[0] == got[1] == got[2]
-    assert sft.read_records(arr)[0].messages == [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    assert sft_data.read_records(arr)[0].messages == [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
 
 
 @pytest.mark.parametrize("line, needle", [
@@ -189,54 +190,54 @@ def test_record_formats_are_read_alike(tmp_path):
 def test_bad_records_name_file_and_line(tmp_path, line, needle):
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"messages": SHORT}, ensure_ascii=False) + "\n" + line + "\n", encoding="utf-8")
-    with pytest.raises(sft.SFTError, match=needle) as e:
-        sft.read_records(p)
+    with pytest.raises(sft_data.SFTError, match=needle) as e:
+        sft_data.read_records(p)
     assert "bad.jsonl:2" in str(e.value)
 
 
 def test_validation_split_from_field_else_by_hash(tmp_path):
     recs = [{"messages": [{"role": "user", "content": f"প্রশ্ন {i}"}, {"role": "assistant", "content": f"উত্তর {i}"}],
              "split": "test" if i % 10 == 0 else "train"} for i in range(200)]
-    train, val, how = sft.split_records(sft.read_records(write_jsonl(tmp_path / "s.jsonl", recs)))
+    train, val, how = sft_data.split_records(sft_data.read_records(write_jsonl(tmp_path / "s.jsonl", recs)))
     assert how == "split field" and len(val) == 20 and len(train) == 180
     for r in recs:
         del r["split"]
-    records = sft.read_records(write_jsonl(tmp_path / "h.jsonl", recs))
-    train, val, how = sft.split_records(records)
+    records = sft_data.read_records(write_jsonl(tmp_path / "h.jsonl", recs))
+    train, val, how = sft_data.split_records(records)
     assert how.startswith("hash") and 0 < len(val) < 30 and len(train) + len(val) == 200
-    again = sft.split_records(list(reversed(records)))[1]  # by content, not position
+    again = sft_data.split_records(list(reversed(records)))[1]  # by content, not position
     assert sorted(r.where for r in again) == sorted(r.where for r in val)
 
 
 # ------------------------------------------------------------------------------------------ loader
 def _rows(tok, n: int):
-    return [sft.encode_row(tok, [{"role": "user", "content": f"সংখ্যা {i}"},
+    return [sft_data.encode_row(tok, [{"role": "user", "content": f"সংখ্যা {i}"},
                                  {"role": "assistant", "content": f"{i}"}], 32) for i in range(n)]
 
 
 def test_loader_is_deterministic_and_resumes_exactly_across_epochs(tok):
     rows = _rows(tok, 13)
-    a = sft.ConversationLoader(rows, 32, tok.pad_id, seed=7)
+    a = ConversationLoader(rows, 32, tok.pad_id, seed=7)
     for _ in range(5):  # 5 * 4 = 20 rows: into the second epoch
         a.next_batch(4)
     state = json.loads(json.dumps(a.state_dict()))  # what a checkpoint's state.json holds
     assert (state["epoch"], state["index"]) == (1, 7)
-    b = sft.ConversationLoader(rows, 32, tok.pad_id, seed=7)
+    b = ConversationLoader(rows, 32, tok.pad_id, seed=7)
     b.load_state_dict(state)
     for _ in range(6):
         for ta, tb in zip(a.next_batch(4), b.next_batch(4)):
             assert torch.equal(ta, tb)
-    epoch0 = sft.ConversationLoader(rows, 32, tok.pad_id, seed=7)
+    epoch0 = ConversationLoader(rows, 32, tok.pad_id, seed=7)
     seen = [epoch0.row_index(g) for g in range(13)]
     assert sorted(seen) == list(range(13))  # every conversation once per epoch
-    with pytest.raises(sft.SFTError, match="different --data"):
-        sft.ConversationLoader(rows[:-1], 32, tok.pad_id, seed=7).load_state_dict(state)
+    with pytest.raises(DataError, match="different --data"):
+        ConversationLoader(rows[:-1], 32, tok.pad_id, seed=7).load_state_dict(state)
 
 
 def test_ranks_split_each_step_without_overlap(tok):
     rows = _rows(tok, 16)
-    single = sft.ConversationLoader(rows, 32, tok.pad_id, seed=3)
-    ranks = [sft.ConversationLoader(rows, 32, tok.pad_id, seed=3, rank=r, world_size=2) for r in range(2)]
+    single = ConversationLoader(rows, 32, tok.pad_id, seed=3)
+    ranks = [ConversationLoader(rows, 32, tok.pad_id, seed=3, rank=r, world_size=2) for r in range(2)]
     both = single.next_batch(4)[0]
     r0, r1 = (ld.next_batch(2)[0] for ld in ranks)
     assert torch.equal(torch.stack([r0[0], r1[0], r0[1], r1[1]]), both)
@@ -293,6 +294,53 @@ def test_gguf_template_renders_and_tokenizes_identically_in_llama_cpp_python(tok
         assert ids == encode(tok, MULTI_TURN_BN, add_generation_prompt=gen).ids
 
 
+# ------------------------------------------------------------------------------------ data gates
+def _qa(i: int, split: str, answer_words: int = 3) -> dict:
+    return {"messages": [{"role": "user", "content": f"প্রশ্ন {i}: আজ কী বার?"},
+                         {"role": "assistant", "content": " ".join([f"উত্তর {i}"] * answer_words)}], "split": split}
+
+
+def _refused_before_writing(capsys, argv: list[str], out: Path, gate: str) -> str:
+    assert sft.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and gate in lines[0], err
+    assert "Traceback" not in err and not out.exists(), "the run folder was written"
+    return lines[0]
+
+
+def test_a_conversation_in_both_splits_is_refused_before_anything_is_written(tok, tmp_path, capsys):
+    init = _tiny_checkpoint(tmp_path / "init", tok)
+    recs = [_qa(i, "train") for i in range(24)] + [_qa(i, "test") for i in range(24, 30)]
+    clean = sft_data.SFTData.load([str(write_jsonl(tmp_path / "clean.jsonl", recs))], tok, 64)
+    assert all(g.passed for g in clean.content_gates())  # control: the same data without the leak passes
+    leaky = write_jsonl(tmp_path / "leaky.jsonl", recs + [_qa(5, "test")])  # training record 5, held out too
+    gate = {g.name: g for g in sft_data.SFTData.load([str(leaky)], tok, 64).content_gates()}["data.train_val_disjoint"]
+    assert not gate.passed and gate.value == 1.0
+    out = tmp_path / "out"
+    argv = ["--init", str(init), "--data", str(leaky), "--out", str(out), "--seq-len", "64", "--max-steps", "2",
+            "--batch-size", "2", "--device", "cpu"]
+    line = _refused_before_writing(capsys, argv, out, "data.train_val_disjoint")
+    assert "1 of 7 validation conversations also appear in training" in line, line
+
+
+def test_a_seq_len_that_cuts_most_conversations_is_refused_before_anything_is_written(tok, tmp_path, capsys):
+    init = _tiny_checkpoint(tmp_path / "init", tok)
+    data = write_jsonl(tmp_path / "long.jsonl", [_qa(i, "train", answer_words=12) for i in range(24)])
+    fits = sft_data.SFTData.load([str(data)], tok, 128)
+    assert fits.stats["train"]["truncated"] == 0 and all(g.passed for g in fits.content_gates())  # control
+    short = sft_data.SFTData.load([str(data)], tok, 48)
+    gate = {g.name: g for g in short.content_gates()}["data.truncation"]
+    tr = short.stats["train"]
+    assert not gate.passed and tr["truncated"] + tr["dropped_no_assistant_in_window"] > 24 * 0.25, tr
+    out = tmp_path / "out"
+    argv = ["--init", str(init), "--data", str(data), "--out", str(out), "--seq-len", "48", "--max-steps", "2",
+            "--batch-size", "2", "--device", "cpu"]
+    line = _refused_before_writing(capsys, argv, out, "data.truncation")
+    assert "raise --seq-len" in line, line
+    short.check_content(skip=["data.truncation"])  # --skip-gate names it: the user's call, recorded in gates.json
+
+
 # ---------------------------------------------------------------------------------- end to end
 def _shared_records(n_train: int, n_test: int) -> list[str]:
     if not SHARED_CHAT.is_file():
@@ -335,7 +383,8 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
             "--eval-batches", "2", "--log-every", "20", "--device", "cpu"]
     assert sft.main(argv) == 0
 
-    run_cfg = json.loads((out / "config.json").read_text())
+    run_cfg = layout.read_run_config(out)
+    assert (out / layout.RUN_CONFIG).is_file() and not (out / layout.LEGACY_RUN_CONFIG).exists()
     assert run_cfg["kind"] == "sft" and run_cfg["train"]["init"]
     report = json.loads((out / sft.REPORT_FILE).read_text())
     assert report["split_by"] == "split field" and report["val"]["conversations"] == N_TEST
@@ -343,7 +392,7 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
     model_pre, ck_pre = ckpt.load_model(pretrained)
     model_sft, ck_sft = ckpt.load_model(out)
     assert ck_sft.tokenizer.sha256 == ck_pre.tokenizer.sha256 and ck_sft.state["kind"] == "sft"
-    d = sft.SFTData.load([str(data)], ck_sft.tokenizer, SEQ)
+    d = sft_data.SFTData.load([str(data)], ck_sft.tokenizer, SEQ)
     pre = sft.heldout_loss(model_pre, d.val, SEQ, ck_sft.tokenizer.pad_id)
     post = sft.heldout_loss(model_sft, d.val, SEQ, ck_sft.tokenizer.pad_id)
     assert post < pre - 0.5, f"SFT held-out assistant loss {post:.3f} does not beat pre-SFT {pre:.3f}"
@@ -415,8 +464,8 @@ def test_interrupted_sft_resumes_to_the_same_weights(pretrained, tmp_path):
     other[other.index("--init") + 1] = str(tmp_path / "whole")
     assert sft.main(other) == 2
     # an SFT run as --init: the tokenizer gates still find the pretraining data's report
-    rep = sft.pretraining_report(str(tmp_path / "whole"))
-    assert rep is not None and rep == sft.pretraining_report(str(pretrained)) and "fertility" in rep
+    rep = layout.pretraining_data_report(str(tmp_path / "whole"))
+    assert rep is not None and rep == layout.pretraining_data_report(str(pretrained)) and "fertility" in rep
 
 
 def test_sft_defaults_yield_to_toml_and_flags(pretrained, tmp_path):

@@ -7,7 +7,18 @@ import unicodedata
 import pytest
 from fixtures_tokenizer import BN_FILES, TATOEBA, need_shared
 
-from training.text import BOM, NUKTA, ZWJ, ZWNJ, detect_language, is_normalized, normalize, script_counts
+from training.text import (
+    BOM,
+    NUKTA,
+    ZWJ,
+    ZWNJ,
+    detect_language,
+    is_normalized,
+    language_of_counts,
+    match_words,
+    normalize,
+    script_counts,
+)
 
 PRECOMPOSED = {"\u09dc": "\u09a1", "\u09dd": "\u09a2", "\u09df": "\u09af"}  # ড় ঢ় য় -> base letter (+ nukta)
 
@@ -63,3 +74,16 @@ def test_script_counts_and_detect_language():
     assert detect_language("") == "other"
     assert detect_language("Привет мир") == "other"
     assert detect_language("আমি খাই and you", threshold=0.5) == "bn"
+
+
+def test_match_words_keeps_bangla_words_whole_and_drops_punctuation():
+    """Vowel signs, virama and ZWNJ stay inside their word (a regex \\w+ would cut them apart); the
+    danda, quotes and dashes go; case is folded, so "Dhaka" and "DHAKA" match."""
+    text = normalize("ক্ষুধার্ত মানুষ—“বাংলাদেশ” র‌্যাব। Dhaka, DHAKA! ৩৫টি")
+    assert match_words(text) == ["ক্ষুধার্ত", "মানুষ", "বাংলাদেশ", normalize("র‌্যাব"), "dhaka", "dhaka", "৩৫টি"]
+    assert match_words("।।  — …") == []
+
+
+def test_language_of_counts_is_detect_language():
+    for text in ("আমি বাংলায় কথা বলি", "plain English text", "यह हिंदी है", "mixed বাংলা and English", ""):
+        assert language_of_counts(script_counts(text)) == detect_language(text)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from conftest import run_train
 
 from training import checkpoint as ckpt
+from training import layout
 
 FAST = ["--preset", "tiny", "--batch-size", "4", "--grad-accum", "2", "--seq-len", "64", "--log-every", "1000"]
 
@@ -97,5 +99,22 @@ def test_toml_config_and_cli_override(bn_data: Path, tmp_path: Path) -> None:
                    '[model]\nn_layers = 1\n')
     out = tmp_path / "run"
     run_train("--config", str(cfg), "--data", str(bn_data), "--out", str(out), "--max-steps", "2")
-    conf = json.loads((out / "config.json").read_text())
+    conf = json.loads((out / layout.RUN_CONFIG).read_text())
     assert conf["model"]["n_layers"] == 1 and conf["train"]["max_steps"] == 2 and conf["train"]["schedule"] == "wsd"
+    # the run's config is run.json; a checkpoint's config.json is the model config alone
+    assert not (out / layout.LEGACY_RUN_CONFIG).exists()
+    assert json.loads((ckpt.latest(out) / ckpt.CONFIG_FILE).read_text()) == conf["model"]
+
+
+def test_a_run_folder_from_before_run_json_still_resumes(bn_data: Path, tmp_path: Path) -> None:
+    """Runs written when the run config was RUN_DIR/config.json resume, and their config is still checked."""
+    out = tmp_path / "old"
+    args = [*FAST, "--data", str(bn_data), "--out", str(out), "--max-steps", "4", "--eval-every", "0"]
+    run_train(*args, "--stop-at", "2")
+    os.replace(out / layout.RUN_CONFIG, out / layout.LEGACY_RUN_CONFIG)  # as such a run folder looks
+    p = run_train(*args, "--set", "n_layers=3", check=False)  # the legacy file is read: another model is refused
+    assert p.returncode == 2 and "another model config" in p.stderr, p.stderr
+    p = run_train(*args)
+    assert "resumed from" in p.stdout and "(step 2," in p.stdout, p.stdout
+    assert [s for s, _, _ in losses(out)] == [1, 2, 3, 4]
+    assert layout.read_run_config(out)["train"]["max_steps"] == 4 and (out / layout.RUN_CONFIG).is_file()

@@ -24,13 +24,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from training import layout
 from training.model import ModelConfig, Transformer
 from training.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
+# the file names are layout's; these aliases are the names other modules have long imported from here
 MODEL_FILE, OPTIM_FILE, STATE_FILE, CONFIG_FILE, TOKENIZER_FILE = (
-    "model.safetensors", "optim.safetensors", "state.json", "config.json", "tokenizer.model")
-STEP_PREFIX = "step_"
+    layout.MODEL_WEIGHTS, layout.OPTIMIZER, layout.STATE, layout.MODEL_CONFIG, layout.TOKENIZER)
+STEP_PREFIX = layout.STEP_PREFIX
 TMP_PREFIX = ".tmp-"
 RNG_PREFIX = "rng/"
 
@@ -116,7 +118,7 @@ def save(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mod
     check_finite(weights, "weights")
     if optim_tensors:
         check_finite(optim_tensors, "optimizer state")
-    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root = Path(run_dir) / layout.CHECKPOINTS
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}"
@@ -160,7 +162,7 @@ def save(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mod
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary folders are never listed)."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / layout.CHECKPOINTS
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / STATE_FILE).is_file()]
@@ -180,7 +182,7 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> Path:
     if (p / MODEL_FILE).is_file() and (p / CONFIG_FILE).is_file():
         return p
     if step is not None:
-        c = p / "checkpoints" / step_dir_name(step)
+        c = p / layout.CHECKPOINTS / step_dir_name(step)
         if not (c / STATE_FILE).is_file():
             raise CheckpointError(f"no complete checkpoint for step {step} in {p}")
         return c

@@ -1,8 +1,15 @@
-"""TrainConfig: every training setting, from a preset, a TOML file and CLI overrides (in that order)."""
+"""TrainConfig: every training setting, from a preset, a TOML file and CLI overrides (in that order).
+
+The command-line flags of every training CLI (training/train.py, training/sft.py) are made here from
+TrainConfig's fields, so each flag has one spelling and one default.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from collections.abc import Container
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -103,3 +110,58 @@ def load_toml(path: str | Path) -> dict:
     if unknown:
         raise ConfigError(f"{p}: unknown keys {sorted(unknown)}")
     return out
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+NOT_FLAGS = ("model", "skip_gates")  # set through --set KEY=VALUE and --skip-gate NAME
+
+
+def add_train_flags(p: argparse.ArgumentParser, exclude: Container[str] = ()) -> argparse.ArgumentParser:
+    """One flag per TrainConfig field (--max-steps, ...; booleans as --x/--no-x), plus --config, --skip-gate,
+    --set, --force and --debug. `exclude`: fields the caller declares its own way (SFT's --data, --init).
+    Every default is None, so config_from_args can tell a flag given from one left out."""
+    p.add_argument("--config", help="TOML file with [train] and [model] tables; CLI flags override it")
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        if f.name in NOT_FLAGS or f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(flag, type=type(default), default=None, help=f"(default: {default})")
+    p.add_argument("--skip-gate", action="append", default=None, metavar="NAME",
+                   help="skip a pre-flight gate by name (emergencies only; recorded loudly in gates.json)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model config field, e.g. --set n_layers=4 (repeatable)")
+    p.add_argument("--force", action="store_true", help="start over in an out dir that holds another run")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig from parsed flags: the preset's defaults < --config TOML < flags."""
+    merged: dict = load_toml(args.config) if args.config else {}
+    for f in fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and f.name not in NOT_FLAGS:
+            merged[f.name] = v
+    if args.skip_gate:
+        merged["skip_gates"] = list(merged.get("skip_gates", [])) + args.skip_gate
+    model = dict(merged.get("model", {}))
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        if not _:
+            raise ConfigError(f"--set expects KEY=VALUE, got {kv!r}")
+        try:
+            model[k] = json.loads(v) if v[:1] in "0123456789-[{tf" and v not in ("t", "f") else v
+        except json.JSONDecodeError:
+            raise ConfigError(f"--set {kv}: {v!r} is not a valid value") from None
+    merged["model"] = model
+    cfg = TrainConfig(**merged)
+    if not cfg.data:
+        raise ConfigError("--data is required (a folder written by `python -m training.prepare`)")
+    if not cfg.out:
+        raise ConfigError("--out is required (the run folder)")
+    return cfg.validate()

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from training.gates import GateResult
+from training.gates.result import GateResult
 from training.text import LANGUAGES, detect_language, normalize
 from training.tokenizer import Tokenizer
 

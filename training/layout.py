@@ -101,3 +101,29 @@ def read_run_config(run_dir: str | Path) -> dict | None:
         if "prodip_run" in cfg:
             return cfg
     return None
+
+
+def pretraining_data_report(path: str | Path, max_hops: int = 8) -> dict | None:
+    """DATA_DIR/report.json of the pretraining data behind the run holding `path`, following the
+    `init` of fine-tuning runs (SFT on SFT included); None when any link is missing or unreadable.
+
+    The tokenizer gates of SFT and the decontamination status of training.evaluate both read it."""
+    current: str | Path | None = path
+    for _ in range(max_hops):
+        run = run_dir_of(current) if current else None
+        try:
+            run_cfg = read_run_config(run) if run is not None else None
+        except LayoutError:
+            return None
+        if run_cfg is None:
+            return None
+        train_cfg = run_cfg.get("train", {})
+        data = train_cfg.get("data", "")
+        if run_cfg.get("kind") != "sft":  # a pretraining run: its data folder holds the report
+            rep = Path(data) / DATA_REPORT
+            try:
+                return read_json(rep, "data report") if data and rep.is_file() else None
+            except LayoutError:
+                return None
+        current = train_cfg.get("init", "")
+    return None

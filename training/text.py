@@ -61,7 +61,11 @@ LANGUAGES = ("bn", "en", "other")
 
 def detect_language(text: str, threshold: float = 0.6) -> str:
     """'bn' or 'en' when that script holds >= threshold of the letters, else 'other' (mixed/other)."""
-    c = script_counts(text)
+    return language_of_counts(script_counts(text), threshold)
+
+
+def language_of_counts(c: dict[str, int], threshold: float = 0.6) -> str:
+    """detect_language from script_counts already taken (the data pipeline counts once per document)."""
     total = sum(c.values())
     if total == 0:
         return "other"
@@ -80,3 +84,15 @@ def read_utf8(path: str | Path, what: str, error: type[Exception] = ValueError) 
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{p}: not UTF-8 text ({e})") from None
+
+
+# Words for matching (deduplication, decontamination, repetition rules): case-folded, with
+# punctuation and symbols (Unicode categories P*, S*, the danda included) turned into spaces.
+# Combining marks stay inside their word: Bangla vowel signs and the virama are not letters, so a
+# regex \w+ would cut Bangla words apart.
+_PUNCT_TO_SPACE = {cp: " " for cp in range(0x10000) if unicodedata.category(chr(cp))[0] in "PS"}
+
+
+def match_words(text: str) -> list[str]:
+    """The words of `text` for comparing documents: case-folded, punctuation and symbols removed."""
+    return text.casefold().translate(_PUNCT_TO_SPACE).split()

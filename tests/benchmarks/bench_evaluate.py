@@ -1,12 +1,15 @@
 """Benchmark: quantization loss as bits-per-byte and accuracy deltas, GGUF and ONNX against PyTorch.
 
     .venv/bin/python tests/benchmarks/bench_evaluate.py [RUN] [--limit 40] [--keep DIR] [--no-onnx]
+        [--text FILE] [--mc FILE]
 
-Without RUN, trains the tiny test run of tests/fixtures_evaluate.py (needs ../shared/data). Exports
-GGUF F32/F16/Q8_0/Q4_K_M (export.gguf: gguf-py writer, llama.cpp's quantizer) and ONNX fp32/int8
-(export.onnx), then scores every file and the checkpoint with `python -m export.evaluate` on held-out
-Bangla text and Okapi Bangla ARC. Prints a Markdown table: bits/byte, Δ bits/byte, accuracy, Δ
-accuracy, scoring time.
+Without RUN, trains the suite's tiny run (conftest's `tiny_run` recipe: training.prepare and the real
+train.py on training/assets/corpus). Exports GGUF F32/F16/Q8_0/Q4_K_M (export.gguf: gguf-py writer,
+llama.cpp's quantizer) and ONNX fp32/int8 (export.onnx), then scores every file and the checkpoint
+with `python -m export.evaluate`, by default on the held-out text and Bangla multiple-choice set
+that ship in training/assets/eval (for breadth: --text ../shared/data/bn/dev/tatoeba_bn.txt
+--mc ../shared/data/eval/bn_mc/okapi__m_arc__bn_validation.json). Prints a Markdown table:
+bits/byte, Δ bits/byte, accuracy, Δ accuracy, scoring time.
 """
 
 from __future__ import annotations
@@ -22,25 +25,27 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-import torch  # noqa: E402
+from conftest import CORPUS, run_train  # noqa: E402
+from fixtures_evaluate import HELDOUT, MC_BN  # noqa: E402
 
 from export.evaluate import main as export_evaluate  # noqa: E402
 from export.gguf import quantize_gguf, write_gguf  # noqa: E402
 from export.manifest import load_source  # noqa: E402
 
-SHARED = REPO.parent / "shared" / "data"
-BN_MC = SHARED / "eval" / "bn_mc" / "okapi__m_arc__bn_validation.json"
-BN_TEXT = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
 GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M")
 DOC_CHARS = 1024
 
 
 def build_tiny_run(root: Path) -> Path:
-    import fixtures_evaluate as fx
+    """conftest's bn_data + tiny_run, outside pytest: prepare the shipped corpus, train 300 steps."""
+    from training.prepare import prepare
 
-    torch.set_num_threads(1)
-    run = fx._build_run(root / "run", time.perf_counter())
-    return run.run_dir
+    data, run = root / "data", root / "run"
+    prepare([CORPUS], data, vocab_size=2048, progress=False, workers=1, fertility_floor=1.5)
+    run_train("--preset", "tiny", "--data", str(data), "--out", str(run), "--max-steps", "300",
+              "--batch-size", "8", "--seq-len", "128", "--lr", "3e-3", "--warmup-steps", "20",
+              "--eval-every", "100", "--save-every", "300", "--log-every", "100")
+    return run
 
 
 def main() -> int:
@@ -50,10 +55,9 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, default=None, help="keep the exports and reports here")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per backend")
     ap.add_argument("--no-onnx", action="store_true", help="skip the (slow) ONNX export")
+    ap.add_argument("--text", type=Path, default=HELDOUT, help="held-out text (default: the shipped one)")
+    ap.add_argument("--mc", type=Path, default=MC_BN, help="one multiple-choice file (default: the shipped Bangla set)")
     args = ap.parse_args()
-    if not SHARED.is_dir():
-        print(f"shared data absent ({SHARED})", file=sys.stderr)
-        return 2
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_eval_"))
     root.mkdir(parents=True, exist_ok=True)
     run = Path(args.run) if args.run else build_tiny_run(root)
@@ -71,16 +75,16 @@ def main() -> int:
         files += [p for p in export_onnx(run, root / "onnx", int8=True, force=True) if p.suffix == ".onnx"]
     export_s = time.perf_counter() - t0
     out = root / "eval"
-    rc = export_evaluate([*map(str, files), "--reference", str(run), "--text", str(BN_TEXT), "--mc", str(BN_MC),
+    rc = export_evaluate([*map(str, files), "--reference", str(run), "--text", str(args.text), "--mc", str(args.mc),
                           "--limit", str(args.limit), "--max-doc-chars", str(DOC_CHARS), "--threads", str(args.threads),
                           "--out", str(out), "--force", "--no-progress"])
     if rc:
         return rc
     report = json.loads((out / "eval.json").read_text())
     mc_name = next(iter(report["mc_files"]))
-    print(f"\nexports took {export_s:.1f} s; text: {BN_TEXT.name} (first {args.limit} documents of {DOC_CHARS} chars), "
+    print(f"\nexports took {export_s:.1f} s; text: {args.text.name} (first {args.limit} documents of {DOC_CHARS} chars), "
           f"MC: {mc_name} ({args.limit} items), {args.threads} thread(s)\n")
-    print("| model | bits/byte (bn) | Δ bits/byte | acc | Δ acc | acc_norm (byte) | scoring s |")
+    print("| model | bits/byte (all) | Δ bits/byte | acc | Δ acc | acc_norm (byte) | scoring s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for m in report["models"]:
         lm, mc = m["lm"]["all"], m["mc"][mc_name]

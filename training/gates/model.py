@@ -1,6 +1,7 @@
-"""Model pre-flight gates: compiled vs eager, overfit one batch, throughput (see training.gates).
+"""Model pre-flight gates: gradient flow, frozen parameters, compiled vs eager, overfit one batch,
+throughput.
 
-Each gate runs on the exact object that trains (`ctx.model`: after DDP/FSDP and torch.compile) or,
+Each gate runs on the exact object that trains (`ctx.model`: after DDP/FSDP2 and torch.compile) or,
 when it must change weights, on a copy of it; none consumes training data, and every gradient it
 makes is cleared before it returns.
 """
@@ -15,8 +16,11 @@ import time
 import torch
 import torch.distributed as tdist
 
-from training.gates import GateResult, PreflightContext, _local
-from training.model import count_params
+from training import distributed as D
+from training.gates.context import PreflightContext
+from training.gates.result import GateResult
+from training.gates.runtime import full_grad, gradient_flow_from_grads
+from training.model import Transformer, count_params
 
 # compiled vs eager: relative L2 error ||a - b|| / ||b|| per tensor, (logits, gradients), by the
 # compute precision. fp32: reordered reductions (compile, fused kernels) stay near 1e-6; TF32 matmuls
@@ -40,15 +44,17 @@ RECOMPUTE_ALLOWANCE = 1.0  # activation checkpointing re-runs the forward inside
 # Modules of these packages are the reference path (torch.distributed: FSDP2's generated classes).
 REFERENCE_MODULE_PREFIXES = ("training.model", "torch.nn", "torch.distributed")
 
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # inputs, targets, loss mask (SFT) or None
+
 
 # ------------------------------------------------------------------------------------ helpers
-def zero_grads(model) -> None:
+def zero_grads(model: torch.nn.Module) -> None:
     for p in model.parameters():
         p.grad = None
 
 
 def _dist_enabled(ctx: PreflightContext) -> bool:
-    return bool(getattr(ctx.dist, "enabled", False)) and tdist.is_available() and tdist.is_initialized()
+    return ctx.dist.enabled and tdist.is_available() and tdist.is_initialized()
 
 
 def _broadcast(ctx: PreflightContext, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -62,7 +68,7 @@ def _broadcast(ctx: PreflightContext, t: torch.Tensor | None) -> torch.Tensor | 
     return out
 
 
-def peek_batch(ctx: PreflightContext, rows: int | None = None, same_on_all_ranks: bool = False):
+def peek_batch(ctx: PreflightContext, rows: int | None = None, same_on_all_ranks: bool = False) -> Batch:
     """The next real training batch (x, y, mask or None) on the device, without consuming it."""
     loader = ctx.batches.train
     state = loader.state_dict()
@@ -98,22 +104,18 @@ def precision(ctx: PreflightContext) -> str:
     return p
 
 
-def _sharded(model) -> bool:
+def _sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def _full_weights(ctx: PreflightContext) -> dict[str, torch.Tensor]:
     if _sharded(ctx.raw_model):
-        from training import distributed as D
-
         return D.full_model_state(ctx.model)  # a collective: every rank runs the gates
     return {k: v.detach() for k, v in ctx.raw_model.state_dict().items()}
 
 
-def reference_model(ctx: PreflightContext):
+def reference_model(ctx: PreflightContext) -> Transformer:
     """A fresh eager `training.model.Transformer` holding the trained object's weights."""
-    from training.model import Transformer
-
     weights = _full_weights(ctx)
     with torch.device(ctx.device):
         ref = Transformer(ctx.model_cfg)
@@ -124,12 +126,10 @@ def reference_model(ctx: PreflightContext):
     return ref.train(ctx.raw_model.training)
 
 
-def model_copy(ctx: PreflightContext):
+def model_copy(ctx: PreflightContext) -> torch.nn.Module:
     """A trainable copy with the same code path (deepcopy keeps patched/fused submodules)."""
     raw = ctx.raw_model
     if _sharded(raw):  # FSDP2: DTensor parameters cannot be deep-copied into a local model
-        from training.model import Transformer
-
         weights = _full_weights(ctx)
         with torch.device(ctx.device):
             m = Transformer(ctx.model_cfg)
@@ -143,12 +143,12 @@ def model_copy(ctx: PreflightContext):
 def nonreference_paths(ctx: PreflightContext) -> list[str]:
     """What makes the trained object differ from the plain eager reference implementation."""
     out = []
-    if getattr(ctx.cfg, "compile", False):
+    if ctx.cfg.compile:
         out.append("torch.compile")
-    if getattr(ctx.raw_model, "activation_checkpointing", False):
+    if ctx.raw_model.activation_checkpointing:
         out.append("activation checkpointing")
     if _dist_enabled(ctx):
-        out.append("FSDP2" if getattr(ctx.cfg, "fsdp", False) else "DDP")
+        out.append("FSDP2" if ctx.cfg.fsdp else "DDP")
     for name, m in ctx.raw_model.named_modules():
         if "forward" in vars(m) or not type(m).__module__.startswith(REFERENCE_MODULE_PREFIXES):
             out.append(f"{name or 'model'} ({type(m).__name__})")
@@ -164,6 +164,26 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     if ref == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / ref
+
+
+# ------------------------------------------------------------------- frozen / gradient flow
+def frozen_parameters(model: torch.nn.Module) -> GateResult:
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    return GateResult("frozen_parameters", not frozen, value=float(len(frozen)), threshold="0",
+                      detail=("frozen by mistake? " + ", ".join(frozen)) if frozen else "every parameter is trainable")
+
+
+def gradient_flow(ctx: PreflightContext) -> GateResult:
+    """One forward/backward on a real training batch through the exact object that trains."""
+    x, y, mask = peek_batch(ctx)
+    raw = ctx.raw_model
+    zero_grads(raw)
+    with ctx.autocast():
+        _, loss = ctx.model(x, y, loss_mask=mask)
+    loss.backward()
+    result = gradient_flow_from_grads(raw.named_parameters())
+    zero_grads(raw)
+    return result
 
 
 # ------------------------------------------------------------------------- compiled vs eager
@@ -185,7 +205,7 @@ def compiled_vs_eager(ctx: PreflightContext, rows: int = COMPARE_ROWS,
     loss.backward()
     got_logits = logits.detach().float()
     del logits, loss
-    got = {n: (None if p.grad is None else _local(p.grad).detach().float().clone())
+    got = {n: (None if p.grad is None else full_grad(p.grad).detach().float().clone())
            for n, p in raw.named_parameters() if p.requires_grad}
     zero_grads(raw)
 
@@ -224,7 +244,7 @@ def overfit_one_batch(ctx: PreflightContext, steps: int = OVERFIT_STEPS, drop: f
     m.train()
     opt = ctx.optimizer_factory(m)
     lr = opt.param_groups[0]["lr"]
-    clip = getattr(ctx.cfg, "grad_clip", 0.0)
+    clip = ctx.cfg.grad_clip
     losses: list[float] = []
     for _ in range(steps + 1):
         with ctx.autocast():
@@ -256,12 +276,13 @@ def overfit_one_batch(ctx: PreflightContext, steps: int = OVERFIT_STEPS, drop: f
 
 
 # ---------------------------------------------------------------------------------- throughput
-def _sync(device) -> None:
+def _sync(device: torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_steps(ctx: PreflightContext, steps: int = THROUGHPUT_STEPS, warmup: int = THROUGHPUT_WARMUP):
+def time_steps(ctx: PreflightContext, steps: int = THROUGHPUT_STEPS,
+               warmup: int = THROUGHPUT_WARMUP) -> tuple[float, float, int]:
     """Median forward and backward seconds of the trained object on one real micro-batch, and its tokens."""
     x, y, mask = peek_batch(ctx)
     raw = ctx.raw_model
@@ -294,7 +315,7 @@ def throughput(ctx: PreflightContext, steps: int = THROUGHPUT_STEPS, warmup: int
     f, b, tokens = time_steps(ctx, steps, warmup)
     note = "" if enforce else f" (measured, not enforced on {kind})"
 
-    if getattr(ctx.raw_model, "activation_checkpointing", False):
+    if ctx.raw_model.activation_checkpointing:
         max_ratio += RECOMPUTE_ALLOWANCE
     ratio = b / f if f > 0 else math.inf
     ratio_ok = ratio <= max_ratio or not enforce

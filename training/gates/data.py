@@ -1,4 +1,4 @@
-"""Data and tokenizer pre-flight gates (see training.gates).
+"""Data and tokenizer pre-flight gates.
 
     data.token_range         every token id (train shards, validation windows) < vocab_size
     data.no_repeats          the first K windows the loader actually yields are all distinct
@@ -13,10 +13,16 @@ repeats a batch is seen exactly as training would see it.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from training.gates import GateResult, PreflightContext
+from training.fertility import DEFAULT_BALANCE_RANGE, fertility_gates, fertility_report
+from training.gates.context import PreflightContext
+from training.gates.result import GateResult
+
+if TYPE_CHECKING:
+    from training.data import Loader
 
 NO_REPEAT_WINDOWS = 64  # K: windows drawn from the loader for the repeat check
 NGRAM = 32  # tokens: a shared span this long is the same text, not a common phrase
@@ -34,7 +40,7 @@ MAX_SAMPLE_BATCHES = 64  # for loaders without a token stream (SFT): batches dra
 
 
 # ------------------------------------------------------------------------------------ helpers
-def draw_batches(loader, batch_size: int, n_batches: int) -> list[tuple]:
+def draw_batches(loader: Loader, batch_size: int, n_batches: int) -> list[tuple]:
     """The loader's next `n_batches` batches, without consuming them."""
     state = loader.state_dict()
     try:
@@ -177,8 +183,7 @@ def _example_span(ctx: PreflightContext, row: np.ndarray, hashes: np.ndarray, sh
     """The first shared span as text, so a person can tell boilerplate from a leaked split."""
     i = int(np.argmax(np.isin(hashes, shared)))
     ids = row[i: i + n].tolist()
-    tok = getattr(ctx.batches, "tokenizer", None)
-    text = tok.decode(ids) if tok is not None else " ".join(map(str, ids))
+    text = ctx.batches.tokenizer.decode(ids)
     return text[:EXAMPLE_CHARS] + ("…" if len(text) > EXAMPLE_CHARS else "")
 
 
@@ -187,7 +192,7 @@ def _val_rows(ctx: PreflightContext) -> list[np.ndarray]:
     return _rows(val(ctx.cfg.eval_batches)) if val is not None else []
 
 
-def data_gate(ctx: PreflightContext, k: int = NO_REPEAT_WINDOWS) -> list[GateResult]:
+def data_gates(ctx: PreflightContext, k: int = NO_REPEAT_WINDOWS) -> list[GateResult]:
     own = getattr(ctx.batches.train, "data_gates", None)
     if own is not None:  # padded SFT conversations (training.sft) check themselves: padding is no overlap
         return own(ctx)
@@ -219,8 +224,6 @@ def _decoded_docs(ctx: PreflightContext, budget: int = TOKENIZER_SAMPLE_TOKENS) 
 
 def tokenizer_gates(ctx: PreflightContext) -> list[GateResult]:
     """The fertility and balance gates, recomputed (never just copied) from the data's measurements."""
-    from training.fertility import DEFAULT_BALANCE_RANGE, fertility_gates, fertility_report
-
     tok = ctx.batches.tokenizer
     rep = ctx.batches.data_report or {}
     fert = rep.get("fertility")

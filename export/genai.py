@@ -1,0 +1,134 @@
+"""ONNX Runtime GenAI files beside our ONNX export, so apps built on `onnxruntime-genai` (C, C#,
+Java, Python, mobile) open prodip's ONNX models directly.
+
+Our decoder already has the interface GenAI's "llama" decoder drives: optimum's names
+(`input_ids`, `attention_mask`, `position_ids`, `past_key_values.N.key/value` ->
+`logits`, `present.N.key/value`), a (batch, kv_heads, past, head_dim) cache that grows each step,
+dynamic batch/sequence/past. So we write, per variant:
+
+    onnx/genai/<variant>/genai_config.json   the decoder description + greedy search defaults
+    onnx/genai/<variant>/tokenizer.json      onnxruntime-extensions' tokenizer (from our SentencePiece model)
+    onnx/genai/<variant>/tokenizer.model     our SentencePiece model
+    onnx/genai/<variant>/tokenizer_config.json, special_tokens_map.json   as the HF export writes them
+
+GenAI refuses a model path that leaves the config's folder (`..`), so the model file and its
+external data are hard-linked into the folder (copied only where the file system cannot link):
+no second copy of the weights on disk. (GenAI's own model builder was the other option: it rebuilds the graph from an HF folder
+with fused GroupQueryAttention/RotaryEmbedding ops, which is a different graph from the one parity
+verified; writing the config beside the verified graph keeps one ONNX graph per export.)
+
+Text handed to GenAI's tokenizer must be NFC (`training.text.normalize`), as with transformers:
+it does not normalize, prodip's every path does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from export import ExportError
+from export.hf import SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, special_tokens_map, tokenizer_config
+from serving.onnxrt import CONFIG_FILE, TOKENIZER_FILE, VARIANT_FILES, read_config
+
+GENAI_CONFIG = "genai_config.json"
+GENAI_DIR = "genai"
+TOKENIZER_JSON = "tokenizer.json"
+MODEL_TYPE = "llama"  # GenAI's decoder-only family with this io layout
+PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
+PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+
+
+def genai_config(onnx_cfg: dict, model_file: str) -> dict:
+    """genai_config.json for one ONNX variant, from our onnx_config.json."""
+    cfg = onnx_cfg
+    return {
+        "model": {
+            "type": MODEL_TYPE,
+            "vocab_size": cfg["vocab_size"],
+            "context_length": cfg["max_seq_len"],
+            "bos_token_id": cfg["bos_id"],
+            "eos_token_id": list(cfg["eos_ids"]),
+            "pad_token_id": cfg["pad_id"],
+            "decoder": {
+                "filename": model_file,
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "hidden_size": cfg["model_config"]["d_model"],
+                "head_size": cfg["head_dim"],
+                "num_attention_heads": cfg["n_heads"],
+                "num_key_value_heads": cfg["n_kv_heads"],
+                "num_hidden_layers": cfg["n_layers"],
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           "position_ids": "position_ids", "past_key_names": PAST_KEY, "past_value_names": PAST_VALUE},
+                "outputs": {"logits": "logits", "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE},
+            },
+        },
+        # greedy by default: the same first tokens as our ONNX Runtime backend; apps override per request
+        "search": {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": cfg["max_seq_len"],
+                   "min_length": 0, "top_k": 1, "top_p": 1.0, "temperature": 1.0, "repetition_penalty": 1.0,
+                   "past_present_share_buffer": False, "early_stopping": True, "length_penalty": 1.0,
+                   "no_repeat_ngram_size": 0, "diversity_penalty": 0.0},
+    }
+
+
+def write_tokenizer_json(d: Path) -> Path:
+    """tokenizer.json (Hugging Face `tokenizers` format), which onnxruntime-extensions requires, made
+    from the SentencePiece model + tokenizer_config.json in `d` by transformers' own converter (the
+    conversion the docs verify to give our training ids on NFC text)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ExportError("ONNX Runtime GenAI files need tokenizer.json, made with transformers: "
+                          "pip install transformers (or prodip[dev])") from None
+    tok = AutoTokenizer.from_pretrained(str(d))
+    if not tok.is_fast:
+        raise ExportError(f"transformers {getattr(tok, 'name_or_path', d)} gave no fast tokenizer to save")
+    out = d / TOKENIZER_JSON
+    tok.backend_tokenizer.save(str(out))
+    return out
+
+
+def _link(src: Path, dst: Path) -> Path:
+    """dst as a hard link to src (a copy across file systems); an existing dst is replaced."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
+def write_genai_files(onnx_dir: Path, src, *, variants: tuple[str, ...] = ("fp32",), force: bool = False) -> list[Path]:
+    """Write onnx_dir/genai/<variant>/ for each variant our export holds; returns the files."""
+    onnx_dir = Path(onnx_dir)
+    try:
+        cfg = read_config(onnx_dir)
+    except ValueError as e:  # ServingError: no/foreign onnx_config.json
+        raise ExportError(str(e)) from None
+    written: list[Path] = []
+    for v in variants:
+        if v not in cfg.get("files", {}):
+            raise ExportError(f"{onnx_dir} holds no {v} ONNX model (it has {', '.join(cfg.get('files', {}))})")
+        d = onnx_dir / GENAI_DIR / v
+        target = d / GENAI_CONFIG
+        if target.exists() and not force:
+            raise ExportError(f"{target} exists; use --force to overwrite")
+        d.mkdir(parents=True, exist_ok=True)
+        model = onnx_dir / VARIANT_FILES[v]
+        for f in [model, *sorted(onnx_dir.glob(model.name + ".data*"))]:
+            written.append(_link(f, d / f.name))
+        files = {TOKENIZER_CONFIG_FILE: tokenizer_config(src), SPECIAL_TOKENS_FILE: special_tokens_map()}
+        for name, obj in files.items():
+            (d / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            written.append(d / name)
+        (d / TOKENIZER_FILE).write_bytes((onnx_dir / TOKENIZER_FILE).read_bytes())
+        written.append(write_tokenizer_json(d))
+        target.write_text(json.dumps(genai_config(cfg, model.name), indent=2) + "\n", encoding="utf-8")
+        written += [d / TOKENIZER_FILE, target]  # the config last: it marks a complete folder
+    return written
+
+
+__all__ = ["CONFIG_FILE", "GENAI_CONFIG", "GENAI_DIR", "genai_config", "write_genai_files"]

@@ -1,0 +1,252 @@
+"""Importance-matrix (imatrix) quantization with llama.cpp's own tools.
+
+A K-quant stores each 256-wide super-block with scales chosen to minimise the rounding error. Plain
+quantization weighs every input column of a weight equally; with an importance matrix — the mean
+square of each column's *input activation* over calibration text — the scales minimise the error
+the model actually sees, which is what makes Q4_K_M (and IQ types) usable on small models.
+
+    compute_imatrix(f16_or_f32_gguf, text, out)         llama-imatrix on (NFC-normalized) Bangla text
+    check_imatrix(imatrix, model_gguf)                  refuse an imatrix from another model
+    quantize_with_imatrix(src_gguf, dst, type, imatrix) llama-quantize --imatrix
+    export_gguf_imatrix(src, out_dir, types, manifest)  the `python -m export gguf --imatrix` path
+
+The calibration text that ships (`training/assets/calibration/calibration_bn.txt`) is original
+writing, disjoint from the training corpus and from `training/assets/eval/heldout_bn.txt`, so the
+KL measured on the held-out file is not flattered by calibrating on it.
+
+Files are written to a temporary name and renamed into place only when the tool succeeded, so a
+failure never leaves a partial file and an existing file is replaced only with `force`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import gguf
+
+from export import ExportError
+from export.llama_tools import run_tool
+from training import layout
+from training.text import normalize
+
+CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "training" / "assets" / "calibration"
+DEFAULT_CALIBRATION = CALIBRATION_DIR / "calibration_bn.txt"
+IMATRIX_SUFFIX = ".imatrix.gguf"  # llama-imatrix's GGUF format (its default since 2025)
+IN_SUM2, COUNTS = ".in_sum2", ".counts"  # the two tensors llama-imatrix writes per weight
+DATASETS_KEY = "imatrix.datasets"
+# llama-imatrix splits the text into chunks of this many tokens; short enough that the shipped
+# calibration text (~5k tokens with a 2k vocabulary, ~3k with 32k) gives at least a dozen chunks
+DEFAULT_CHUNK_TOKENS = 256
+# Tensors whose importance matrix must be present: every matmul weight. token_embd is a row lookup
+# (get_rows), not a matmul, so llama-imatrix never sees activations for it.
+MATMUL_WEIGHT = re.compile(r"^(blk\.\d+\.[a-z_]+|output)\.weight$")
+# Types that quantize_with_imatrix accepts: the K-quants and IQ types an imatrix improves (legacy
+# Q8_0/F16 gain nothing and are quantized without one).
+IMATRIX_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
+                 "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS")
+TOOL_TIMEOUT_S = 3600
+
+
+def imatrix_path(out_dir: Path, name: str) -> Path:
+    return out_dir / layout.GGUF_DIR / f"{name}{IMATRIX_SUFFIX}"
+
+
+def _reader(path: Path, what: str) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise ExportError(f"{what} not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf-py raises ValueError / struct.error / IndexError on foreign or truncated files
+        raise ExportError(f"{path}: not a readable GGUF {what} ({type(e).__name__}: {e})") from None
+
+
+def _check_model(path: Path) -> gguf.GGUFReader:
+    r = _reader(path, "model")
+    arch = r.fields.get(gguf.Keys.General.ARCHITECTURE)
+    if arch is None or arch.contents() != "llama":
+        got = arch.contents() if arch is not None else None
+        raise ExportError(f"{path}: architecture {got!r} is not 'llama'; prodip computes importance matrices "
+                          "for GGUF files written by `python -m export gguf`")
+    return r
+
+
+def imatrix_entries(path: Path) -> dict[str, int]:
+    """{weight name: input width} of a llama-imatrix GGUF file."""
+    r = _reader(path, "importance matrix")
+    if DATASETS_KEY not in r.fields and not any(t.name.endswith(IN_SUM2) for t in r.tensors):
+        raise ExportError(f"{path}: not an importance matrix (no {DATASETS_KEY} and no *{IN_SUM2} tensors); "
+                          "prodip reads the GGUF imatrix format llama-imatrix writes")
+    return {t.name[:-len(IN_SUM2)]: int(t.shape[0]) for t in r.tensors if t.name.endswith(IN_SUM2)}
+
+
+def model_matmul_widths(path: Path) -> dict[str, int]:
+    """{weight name: input width (ne0)} of every matmul weight of a llama GGUF."""
+    r = _check_model(path)
+    return {t.name: int(t.shape[0]) for t in r.tensors if len(t.shape) >= 2 and MATMUL_WEIGHT.match(t.name)}
+
+
+def check_imatrix(imatrix: Path, model: Path) -> dict[str, int]:
+    """Refuse an importance matrix that does not belong to `model`: every matmul weight of the model
+    needs an entry of its input width, and the imatrix may name no weight the model lacks.
+    (llama-quantize itself only warns about a missing entry and quantizes that tensor blind.)"""
+    entries = imatrix_entries(imatrix)
+    weights = model_matmul_widths(model)
+    foreign = sorted(set(entries) - set(weights) - {"token_embd.weight"})
+    missing = sorted(set(weights) - set(entries))
+    wrong = sorted(n for n in set(weights) & set(entries) if weights[n] != entries[n])
+    if foreign or wrong or missing:
+        detail = (f"{len(foreign)} weights the model lacks (e.g. {foreign[0]})" if foreign else
+                  f"{wrong[0]} has width {entries[wrong[0]]}, the model's {weights[wrong[0]]}" if wrong else
+                  f"no entry for {len(missing)} of the model's {len(weights)} weights (e.g. {missing[0]})")
+        raise ExportError(f"{imatrix} is an importance matrix of another model: {detail}")
+    return entries
+
+
+def _normalized_copy(text: Path, tmp_dir: Path) -> Path:
+    """llama-imatrix tokenizes the file's bytes as they are; every prodip path tokenizes NFC text."""
+    if not text.is_file():
+        raise ExportError(f"calibration text not found: {text}")
+    try:
+        body = normalize(text.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ExportError(f"{text}: calibration text is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not body.strip():
+        raise ExportError(f"{text}: calibration text is empty")
+    out = tmp_dir / text.name  # llama-imatrix records this name in imatrix.datasets
+    out.write_text(body, encoding="utf-8")
+    return out
+
+
+def compute_imatrix(model: Path, text: Path, out: Path, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                    threads: int | None = None, force: bool = False) -> Path:
+    """Run llama-imatrix on `model` (an F32/F16 llama GGUF) over `text`; write `out` (GGUF format)."""
+    model, text, out = Path(model), Path(text), Path(out)
+    _check_model(model)
+    if out.exists() and not force:
+        raise ExportError(f"{out} exists; use --force to overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".imatrix-") as td:
+        calib = _normalized_copy(text, Path(td))
+        tmp = Path(td) / ("result" + IMATRIX_SUFFIX)
+        args = ["-m", model, "-f", calib, "-o", tmp, "--output-format", "gguf", "-c", str(chunk_tokens),
+                "--process-output", "--no-ppl", "-b", str(chunk_tokens)]
+        if threads:
+            args += ["-t", str(threads)]
+        p = run_tool("llama-imatrix", args, timeout=TOOL_TIMEOUT_S)
+        if not tmp.is_file():
+            raise ExportError(f"llama-imatrix wrote no file ({p.stderr.strip().splitlines()[-1:]})")
+        check_imatrix(tmp, model)  # the tool's own output must cover the model, or calibration was too short
+        os.replace(tmp, out)
+    return out
+
+
+def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *, threads: int | None = None,
+                          force: bool = False) -> Path:
+    """llama-quantize --imatrix IMATRIX SRC DST TYPE [THREADS], after check_imatrix."""
+    src, dst, imatrix = Path(src), Path(dst), Path(imatrix)
+    if type_name not in IMATRIX_TYPES:
+        raise ExportError(f"{type_name} does not use an importance matrix; choose one of {', '.join(IMATRIX_TYPES)}")
+    if dst.exists() and not force:
+        raise ExportError(f"{dst} exists; use --force to overwrite")
+    check_imatrix(imatrix, src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    args = ["--imatrix", imatrix, src, tmp, type_name, str(threads or os.cpu_count() or 1)]
+    try:
+        run_tool("llama-quantize", args, timeout=TOOL_TIMEOUT_S)
+        if not tmp.is_file():
+            raise ExportError(f"llama-quantize wrote no file for {type_name}")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst
+
+
+def export_gguf_imatrix(src, out_dir: Path, types: list[str], manifest, *, text: Path = DEFAULT_CALIBRATION,
+                        force: bool = False, nthread: int | None = None) -> list[Path]:
+    """The `python -m export gguf RUN --imatrix [TEXT]` path: F32/F16 as usual (export.gguf), the
+    imatrix computed on the F32 base over `text`, every K/IQ type quantized with it. Written files
+    are recorded in the manifest with the imatrix and its calibration text; returns every path
+    written (the imatrix file included)."""
+    from export.gguf import DIRECT_TYPES, canonical_type, export_gguf, gguf_path, inspect_gguf, write_gguf
+
+    names = list(dict.fromkeys(canonical_type(t) for t in types))
+    plain = [t for t in names if t not in IMATRIX_TYPES]
+    weighted = [t for t in names if t in IMATRIX_TYPES]
+    im_path = imatrix_path(out_dir, src.name)
+    targets = {t: gguf_path(out_dir, src, t) for t in weighted}
+    existing = [str(p) for p in [*targets.values(), im_path] if p.exists()]
+    if existing and not force:  # checked before anything is written: nothing overwritten
+        raise ExportError(f"{existing[0]} exists; use --force to overwrite")
+    text = Path(text)
+    if not text.is_file():
+        raise ExportError(f"calibration text not found: {text}")
+    written = export_gguf(src, out_dir, plain, manifest, force=force, nthread=nthread) if plain else []
+    if not weighted:
+        return written
+    base = gguf_path(out_dir, src, "F32")
+    tmp_base = None
+    if "F32" not in names:
+        tmp_base = base = out_dir / layout.GGUF_DIR / f".{src.name}-F32.imatrix-source.gguf"
+        write_gguf(src, base, "F32")
+    try:
+        compute_imatrix(base, text, im_path, threads=nthread, force=force)
+        written.append(im_path)
+        manifest.add(im_path, "gguf-imatrix", "imatrix", calibration=str(text))
+        for t in weighted:
+            p = quantize_with_imatrix(base, targets[t], t, im_path, threads=nthread, force=force)
+            info = inspect_gguf(p, t)
+            manifest.add(p, "gguf", t, tensor_types=info["tensor_types"], fallbacks=info["fallbacks"],
+                         imatrix=im_path.name, calibration=text.name)
+            written.append(p)
+    finally:
+        if tmp_base is not None:
+            tmp_base.unlink(missing_ok=True)
+    assert all(t not in DIRECT_TYPES for t in weighted)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m export.imatrix compute MODEL.gguf --out FILE [--text TEXT]
+    python -m export.imatrix quantize SRC.gguf DST.gguf --type Q4_K_M --imatrix FILE"""
+    import argparse
+
+    from training.cli import guarded
+
+    ap = argparse.ArgumentParser(prog="python -m export.imatrix", description=main.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compute", help="llama-imatrix over calibration text")
+    c.add_argument("model", type=Path)
+    c.add_argument("--text", type=Path, default=DEFAULT_CALIBRATION, help="calibration text (default: the shipped Bangla)")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk")
+    q = sub.add_parser("quantize", help="llama-quantize --imatrix")
+    q.add_argument("src", type=Path)
+    q.add_argument("dst", type=Path)
+    q.add_argument("--type", default="Q4_K_M", choices=IMATRIX_TYPES)
+    q.add_argument("--imatrix", type=Path, required=True)
+    for p in (c, q):
+        p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--force", action="store_true", help="overwrite the output")
+    ap.add_argument("--debug", action="store_true")
+    args = ap.parse_args(argv)
+
+    def run() -> None:
+        if args.command == "compute":
+            out = compute_imatrix(args.model, args.text, args.out, chunk_tokens=args.chunk, threads=args.threads,
+                                  force=args.force)
+            print(f"wrote {out} ({len(imatrix_entries(out))} weights)")
+        else:
+            out = quantize_with_imatrix(args.src, args.dst, args.type, args.imatrix, threads=args.threads,
+                                        force=args.force)
+            print(f"wrote {out}")
+
+    return guarded(run, debug=args.debug)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

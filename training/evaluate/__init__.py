@@ -1,0 +1,70 @@
+"""Evaluation: bits per byte, the random-init twin and multiple choice, over a log-probability provider.
+
+Per-token NLL depends on the tokenizer (the very thing the fertility trap changes), so every language
+modelling number also comes as bits per byte and per character of the normalized text. The metric
+code knows no runtime: it takes a `LogProbProvider` (PyTorch here as `TorchProvider`; GGUF/ONNX
+through `export.evaluate`), so quantization loss shows up as a bits-per-byte delta.
+
+    providers.py  LogProbProvider, TorchProvider, EvalError
+    text.py       windows, span scoring, LMStats (bits per byte/char), documents by language
+    twin.py       the random-init twin and its gate
+    mc.py         multiple-choice formats, scoring, Wilson interval, chance
+    request.py    what to score, and one model scored on it
+    report.py     eval.json / eval.md / eval.png and the model-card section
+    cli.py        python -m training.evaluate
+"""
+
+from training.evaluate.cli import add_common_args, build_parser, check_common_args, main
+from training.evaluate.mc import (
+    SCORE_KINDS,
+    MCItem,
+    MCScores,
+    chance_rate,
+    expand_mc_paths,
+    join_choice,
+    load_mc,
+    mc_set_name,
+    parse_mc_record,
+    score_mc,
+    wilson_interval,
+)
+from training.evaluate.providers import EvalError, LogProbProvider, TorchProvider
+from training.evaluate.report import (
+    OUTPUT_FILES,
+    add_deltas,
+    make_report,
+    render_chart,
+    render_markdown,
+    update_card,
+    write_outputs,
+)
+from training.evaluate.request import EvalRequest, build_request, evaluate_model
+from training.evaluate.text import (
+    ALL,
+    LMStats,
+    Span,
+    evaluate_lm,
+    read_text_docs,
+    score_spans,
+    split_documents,
+    windows,
+)
+from training.evaluate.twin import (
+    TWIN_MARGIN,
+    TWIN_SEED,
+    TwinNLL,
+    make_twin,
+    nll_twin,
+    twin_gate,
+    twin_result,
+)
+
+__all__ = [
+    "ALL", "OUTPUT_FILES", "SCORE_KINDS", "TWIN_MARGIN", "TWIN_SEED",
+    "EvalError", "EvalRequest", "LMStats", "LogProbProvider", "MCItem", "MCScores", "Span", "TorchProvider", "TwinNLL",
+    "add_common_args", "add_deltas", "build_parser", "build_request", "chance_rate", "check_common_args",
+    "evaluate_lm", "evaluate_model", "expand_mc_paths", "join_choice", "load_mc", "main", "make_report", "make_twin",
+    "mc_set_name", "nll_twin", "parse_mc_record", "read_text_docs", "render_chart", "render_markdown", "score_mc",
+    "score_spans", "split_documents", "twin_gate", "twin_result", "update_card", "wilson_interval", "windows",
+    "write_outputs",
+]

@@ -1,0 +1,121 @@
+"""`python -m training.evaluate RUN_OR_CHECKPOINT [--text FILE ...] [--mc FILE_OR_DIR ...] [--limit N]`
+
+Scores a checkpoint and its random-init twin; writes eval.json, eval.md and eval.png (RUN/eval by
+default) and, for a run, a section of the model card RUN/export/README.md when that file exists.
+`add_common_args`/`check_common_args` are shared with `python -m export.evaluate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from training import layout
+from training.checkpoint import load_model
+from training.cli import guarded
+from training.evaluate.providers import EvalError, TorchProvider
+from training.evaluate.report import OUTPUT_FILES, make_report, render_markdown, update_card, write_outputs
+from training.evaluate.request import build_request, evaluate_model
+from training.evaluate.text import ALL, MAX_DOC_CHARS
+from training.evaluate.twin import TWIN_MARGIN, TWIN_SEED, make_twin, twin_result
+from training.gates.result import GateResult
+from training.prepare.decontam import status_for
+
+EVAL_DIR = "eval"  # RUN/eval holds a checkpoint's OUTPUT_FILES
+
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """Options shared with `python -m export.evaluate`."""
+    ap.add_argument("--text", nargs="+", default=[], metavar="FILE",
+                    help='UTF-8 text files for bits per byte (.json/.jsonl: records with a "text" field)')
+    ap.add_argument("--mc", nargs="+", default=[], metavar="FILE",
+                    help="multiple-choice files (llm-foundry JSONL, Winogrande, HellaSwag, Okapi ARC) or folders of them")
+    ap.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="at most N items per multiple-choice file and N text documents")
+    ap.add_argument("--out", default=None, metavar="DIR", help="where eval.json/eval.md/eval.png go")
+    ap.add_argument("--force", action="store_true", help="overwrite earlier results and the card section")
+    ap.add_argument("--max-doc-chars", type=int, default=MAX_DOC_CHARS, help="document size for text scoring")
+    ap.add_argument("--stride", type=int, default=None, help="window stride for long documents (default n_ctx/2)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise EvalError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_doc_chars < 1:
+        raise EvalError(f"--max-doc-chars must be >= 1, got {args.max_doc_chars}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m training.evaluate", description=(
+        "Evaluate a trained checkpoint: NLL/token, bits per byte and per character by language, beside the "
+        "random-init twin, and multiple-choice accuracy."))
+    ap.add_argument("path", help="a run folder (its newest checkpoint) or a checkpoint folder")
+    ap.add_argument("--step", type=int, default=None, help="a specific checkpoint step of the run")
+    add_common_args(ap)
+    ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    ap.add_argument("--no-twin", action="store_true", help="skip the random-init twin")
+    ap.add_argument("--twin-mc", action="store_true", help="also score multiple choice with the twin")
+    ap.add_argument("--twin-seed", type=int, default=TWIN_SEED)
+    ap.add_argument("--margin", type=float, default=TWIN_MARGIN, help="twin gate margin, nats/token")
+    ap.add_argument("--fail-on-gate", action="store_true", help="exit 1 when the twin gate fails")
+    return ap
+
+
+def decontamination_of(run_dir: Path | None, eval_paths: Sequence[str]) -> dict[str, str]:
+    """Per eval file: was it checked against this run's pretraining data (training.prepare's report)?
+    A contaminated score looks like success, so the report says it beside every score."""
+    report = layout.pretraining_data_report(run_dir) if run_dir is not None else None
+    if report is None:
+        return {str(p): "unknown (no data report for this run)" for p in eval_paths}
+    return {str(p): status_for(report, p) for p in eval_paths}
+
+
+def eval_files(req) -> list[str]:
+    """Every file scored: the --text files and each multiple-choice file (folders expanded)."""
+    return [*map(str, req.text_files), *(str(path) for _, path, _, _ in req.mc_sets)]
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    check_common_args(args)
+    if args.margin < 0:
+        raise EvalError(f"--margin must be >= 0, got {args.margin}")
+    req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, ck = load_model(Path(args.path), args.step, device=device)
+    run_dir = layout.run_dir_of(args.path)
+    out_dir = Path(args.out) if args.out else (run_dir / EVAL_DIR if run_dir else None)
+    if out_dir is None:
+        raise EvalError(f"{args.path} is a checkpoint outside a run folder; pass --out DIR")
+    if (out_dir / OUTPUT_FILES[0]).exists() and not args.force:  # fail before minutes of scoring
+        raise EvalError(f"{out_dir / OUTPUT_FILES[0]} already exists; pass --force to overwrite or --out DIR")
+    progress = not args.no_progress
+    models = [evaluate_model(TorchProvider(model, ck.tokenizer, name="model"), req, progress=progress)]
+    gates: list[GateResult] = []
+    if not args.no_twin and req.docs:
+        twin = TorchProvider(make_twin(ck.config, args.twin_seed, device), ck.tokenizer, name="twin")
+        models.append(evaluate_model(twin, req, mc=args.twin_mc, progress=progress))
+        m, t = models[0]["lm"][ALL], models[1]["lm"][ALL]
+        gates.append(twin_result(m["nll_per_token"], t["nll_per_token"], m["tokens"], margin=args.margin,
+                                 seed=args.twin_seed, what="text"))
+    report = make_report("checkpoint", str(ck.path), models, req, gates=gates,
+                         reference="model" if len(models) > 1 else None,
+                         extra={"step": ck.state.get("step"), "twin_seed": args.twin_seed,
+                                "decontamination": decontamination_of(run_dir, eval_files(req))})
+    written = write_outputs(report, out_dir, force=args.force)
+    card = run_dir / layout.EXPORT / layout.CARD if run_dir else None
+    if card is not None and card.is_file():
+        update_card(card, render_markdown(report), force=args.force)
+        written.append(card)
+    print(render_markdown(report))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 1 if args.fail_on_gate and any(not g.passed for g in gates) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return guarded(lambda: run_cli(args), debug=args.debug)  # EvalError, CheckpointError, ... are ValueErrors

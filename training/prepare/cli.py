@@ -1,0 +1,147 @@
+"""The command line of training.prepare (one parser for every documented command).
+
+    python -m training.prepare --input PATH|hf:NAME[:CONFIG][:SPLIT] [--input ...] --out DATA_DIR [options]
+    python -m training.prepare merge SHARD_DIR [SHARD_DIR ...] --out DATA_DIR [--force]
+
+Errors go through training.cli.guarded: one `error:` line and exit 2 (a failed gate: exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from training.cli import guarded
+from training.fertility import (
+    DEFAULT_BALANCE_RANGE,
+    DEFAULT_FERTILITY_FLOOR,
+    DEFAULT_FERTILITY_RATIO,
+    GATE_NAMES,
+)
+from training.prepare.errors import GateFailed, PrepareError
+from training.prepare.merge import merge
+from training.prepare.options import (
+    DEFAULT_EVAL_DOCS,
+    DEFAULT_MAX_SENTENCES,
+    DEFAULT_SHARD_TOKENS,
+    DEFAULT_VAL_FRACTION,
+    DEFAULT_VOCAB_SIZE,
+)
+from training.prepare.pipeline import prepare
+from training.prepare.sources import TEXT_FIELD
+from training.tokenizer import TokenizerError
+
+EXIT_GATE = 1
+NOT_OPTIONS = ("command", "input", "out", "skip_gate", "no_progress", "debug", "no_filters", "no_dedup",
+               "no_near_dedup", "no_shipped_eval", "shards")
+
+
+def _pair(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI like 0.8,1.25, got {text!r}") from None
+    return lo, hi
+
+
+def _add_cleaning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quality", type=Path, default=None, metavar="FILE.toml",
+                   help="quality rules, dedup and decontamination settings (default: training/prepare/quality.toml)")
+    p.add_argument("--no-filters", action="store_true", help="turn the quality rules off")
+    p.add_argument("--no-dedup", action="store_true", help="keep exact and near duplicates")
+    p.add_argument("--no-near-dedup", action="store_true", help="remove exact duplicates only")
+    p.add_argument("--decontaminate", action="append", default=[], type=Path, metavar="PATH",
+                   help="eval text/JSONL/JSON file or folder: training documents overlapping it are removed "
+                        "(repeatable; the shipped SFT set is always checked)")
+    p.add_argument("--no-shipped-eval", action="store_true",
+                   help="do not check against the SFT set shipped in training/assets/chat")
+    p.add_argument("--shard-index", type=int, default=0, metavar="I", help="this machine's shard (0-based)")
+    p.add_argument("--num-shards", type=int, default=1, metavar="N",
+                   help="machines sharing the work (each writes its own DATA_DIR; then `merge`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.prepare",
+                                description="Corpus -> cleaned, deduplicated, decontaminated token shards + "
+                                            "tokenizer + report, behind the tokenizer gates.")
+    p.add_argument("--input", action="append", default=None, metavar="PATH",
+                   help="file or folder (repeatable): .txt/.md, .jsonl, .parquet, .gz; or hf:NAME[:CONFIG][:SPLIT]")
+    p.add_argument("--out", type=Path, metavar="DATA_DIR")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N", help=f"tokenizer vocabulary (default {DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="FILE", help="use this tokenizer.model instead of training one")
+    p.add_argument("--mix", default=None, metavar="LANG=SHARE,...", help="target character shares, e.g. bn=0.8,en=0.2 (down-samples)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
+                   help="share of documents held out (by hash of their text)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace an existing DATA_DIR")
+    p.add_argument("--strict", action="store_true", help="an unreadable input file is an error, not skipped")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N", help="tokens per shard file")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: all cores)")
+    p.add_argument("--text-field", default=TEXT_FIELD, help="JSONL field / Parquet or dataset column holding the text")
+    p.add_argument("--max-sentences", type=int, default=DEFAULT_MAX_SENTENCES, help="sentences sampled to train the tokenizer")
+    p.add_argument("--eval-docs", type=int, default=DEFAULT_EVAL_DOCS, help="held-out documents sampled for the fertility report")
+    p.add_argument("--fertility-floor", type=float, default=DEFAULT_FERTILITY_FLOOR, help="minimum Bangla characters/token")
+    p.add_argument("--fertility-ratio", type=float, default=DEFAULT_FERTILITY_RATIO,
+                   help="minimum Bangla fertility as a fraction of English's")
+    p.add_argument("--balance-range", type=_pair, default=DEFAULT_BALANCE_RANGE, metavar="LO,HI",
+                   help="allowed token share / character share per language (LO,HI)")
+    p.add_argument("--skip-gate", action="append", default=[], metavar="NAME", choices=GATE_NAMES,
+                   help="record this gate as skipped instead of failing (repeatable)")
+    _add_cleaning(p)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", metavar="{merge}")
+    m = sub.add_parser("merge", help="merge the DATA_DIRs of --num-shards machines into one",
+                       description="Check tokenizer hash, format and counts of shard data folders; write one.")
+    m.add_argument("shards", nargs="+", type=Path, metavar="SHARD_DIR")
+    m.add_argument("--out", type=Path, required=True, metavar="DATA_DIR")
+    m.add_argument("--force", action="store_true", help="replace an existing DATA_DIR")
+    m.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _summary(meta: dict, out: Path, seconds: float) -> str:
+    tr, va = meta["splits"]["train"], meta["splits"]["val"]
+    docs = meta.get("documents", {})
+    dropped = ", ".join(f"{k} {v:,}" for k, v in docs.get("dropped", {}).items()) or "none"
+    return (f"\nwrote {out}: train {tr['n_tokens']:,} tokens in {tr['n_shards']} shard(s) ({tr['n_docs']:,} docs), "
+            f"val {va['n_tokens']:,} tokens ({va['n_docs']:,} docs), vocab {meta['vocab_size']}, "
+            f"{len(meta['skipped_files'])} file(s) skipped, {seconds:.1f} s\nremoved documents: {dropped}")
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    t0 = time.perf_counter()
+    if args.command == "merge":
+        meta = merge(args.shards, args.out, force=args.force)
+        print(_summary(meta, args.out, time.perf_counter() - t0))
+        return 0
+    if not args.input or args.out is None:
+        parser.error("the following arguments are required: --input, --out")
+    opts = {k: v for k, v in vars(args).items() if k not in NOT_OPTIONS}
+    opts.update(skip_gates=args.skip_gate, progress=not args.no_progress, echo=True, filters=not args.no_filters,
+                dedup=not args.no_dedup, near_dedup=not args.no_near_dedup, shipped_eval_sets=not args.no_shipped_eval)
+    meta = prepare(args.input, args.out, **opts)
+    print(_summary(meta, args.out, time.perf_counter() - t0))
+    if "mix" in meta:
+        kept = ", ".join(f"{k} {v:.1%} (target {meta['mix']['target_char_share'][k]:.1%})"
+                         for k, v in meta["mix"]["kept_char_share"].items())
+        print(f"--mix: character shares of all kept documents: {kept}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def go() -> int:
+        try:
+            return _run(args, parser)
+        except GateFailed as e:
+            if args.debug:
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_GATE
+
+    return guarded(go, debug=args.debug, errors=(PrepareError, TokenizerError, OSError))
