@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out / layout.PARITY_JSON} and {out / layout.PARITY_MD}")
         passed = report.passed
         if not passed:
-            print(f"error: parity thresholds breached (see {layout.PARITY_MD})", file=sys.stderr)
+            why = "no backend was compared" if not report.results else "parity thresholds breached"
+            print(f"error: {why} (see {layout.PARITY_MD})", file=sys.stderr)
     print(f"wrote {write_card(src, out, manifest)}")
     return 0 if passed else EXIT_PARITY
 

@@ -120,7 +120,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.input or args.out is None:
         parser.error("the following arguments are required: --input, --out")
     opts = {k: v for k, v in vars(args).items() if k not in NOT_OPTIONS}
-    opts.update(skip_gates=args.skip_gate, progress=not args.no_progress, echo=True, filters=not args.no_filters,
+    # bars only on a terminal: in a log file or CI they would be noise around the one-line errors
+    opts.update(skip_gates=args.skip_gate, progress=not args.no_progress and sys.stderr.isatty(), echo=True, filters=not args.no_filters,
                 dedup=not args.no_dedup, near_dedup=not args.no_near_dedup, shipped_eval_sets=not args.no_shipped_eval)
     meta = prepare(args.input, args.out, **opts)
     print(_summary(meta, args.out, time.perf_counter() - t0))
