@@ -28,15 +28,19 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 OPT_IN = "opt-in:"  # the only skips CI accepts: say what to set to run the test
 
 
+SHARED_ENV = "PRODIP_SHARED_DATA"  # "1": breadth tests must run (.ci/run sets it: CI has ../shared)
+
+
 def shared_path(*parts: str) -> Path:
-    """A path under ../shared/data, or skip the test (with a message) when it is absent.
-    Under CI=true a missing path fails the test: CI always has ../shared beside the clone."""
+    """A path under ../shared/data for an opt-in breadth test. Present: the test runs. Absent: an
+    "opt-in:" skip on a user's clone, but a failure when PRODIP_SHARED_DATA=1 says it must be there
+    (as in CI, which always has ../shared beside the clone)."""
     p = SHARED_DATA.joinpath(*parts)
     if not p.exists():
         msg = f"shared data not available: {p} (see ../shared/data/README.md)"
-        if IN_CI:
-            pytest.fail(f"CI=true: {msg}")
-        pytest.skip(msg)
+        if os.environ.get(SHARED_ENV) == "1":
+            pytest.fail(f"{SHARED_ENV}=1: {msg}")
+        pytest.skip(f"{OPT_IN} breadth test on ../shared/data; {msg}")
     return p
 
 

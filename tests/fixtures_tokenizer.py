@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, shared_path
 
 SHARED = SHARED_DATA
 TATOEBA = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
@@ -20,10 +19,7 @@ EN_FILES = ("en/train/gutenberg/Great-Expectations_1400__1400-0.txt",
 
 
 def need_shared(*parts: str) -> Path:
-    p = SHARED.joinpath(*parts)
-    if not p.exists():
-        pytest.skip(f"shared data not found at {p} (tests read ../shared/data beside the repo)")
-    return p
+    return shared_path(*parts)  # opt-in breadth: conftest decides skip or fail
 
 
 def head_paragraphs(path: Path, max_bytes: int, skip_bytes: int = 0) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, SHARED_DATA, shared_path
 
 from training import checkpoint as ckpt
 from training import layout, sft, sft_data
@@ -343,8 +343,7 @@ def test_a_seq_len_that_cuts_most_conversations_is_refused_before_anything_is_wr
 
 # ---------------------------------------------------------------------------------- end to end
 def _shared_records(n_train: int, n_test: int) -> list[str]:
-    if not SHARED_CHAT.is_file():
-        pytest.skip(f"shared chat data not found at {SHARED_CHAT}")
+    shared_path(*SHARED_CHAT.relative_to(SHARED_DATA).parts)  # opt-in breadth: skip or fail, as conftest says
     train, test = [], []
     with open(SHARED_CHAT, encoding="utf-8") as f:
         for line in f:

@@ -69,13 +69,13 @@ def test_other_model_config_in_run_dir_is_refused(bn_data: Path, tmp_path: Path)
 
 
 def test_resume_with_data_of_another_tokenizer_is_refused(bn_data: Path, tmp_path: Path) -> None:
-    from conftest import shared_path
+    from conftest import CORPUS
 
     from training.prepare import prepare
 
-    other = tmp_path / "other"
-    prepare([shared_path("bn", "train", "majantali_bnarchive", "SukumarRay_Poetry_AbolTabol.md")], other,
-            vocab_size=2048, progress=False, workers=1, fertility_floor=1.0, skip_gates=["tokenizer.balance"])
+    other = tmp_path / "other"  # the shipped Bangla stories alone, at another vocabulary: another tokenizer
+    prepare([CORPUS / "bn_stories.txt", CORPUS / "bn_news.txt"], other, vocab_size=2048, progress=False, workers=1,
+            fertility_floor=1.0, skip_gates=["tokenizer.balance"])
     out = tmp_path / "run"
     run_train(*FAST, "--data", str(bn_data), "--out", str(out), "--max-steps", "2")
     p = run_train(*FAST, "--data", str(other), "--out", str(out), "--max-steps", "4", check=False)
