@@ -90,6 +90,44 @@ def check_gates(src: Source) -> None:
         print(f"warning: {src.run_dir} has no {layout.GATES}: its pre-flight gates were never recorded", file=sys.stderr)
 
 
+def write_exports(src: Source, out: Path, args: argparse.Namespace) -> Manifest:
+    """Every requested format into `out`, each recorded in the manifest as soon as it is written."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest.open(out, src, force=args.force)
+    if args.command in ("safetensors", "all"):
+        from export.hf import export_hf
+
+        t0 = time.perf_counter()
+        _report(export_hf(src, out, manifest, force=args.force), t0)
+        manifest.save()
+    if args.command in ("onnx", "all"):
+        t0 = time.perf_counter()
+        _report(export_onnx_files(src, out, manifest, args), t0)
+        manifest.save()
+    if args.command in ("gguf", "all"):
+        from export.gguf import export_gguf
+        from export.modelfile import write_modelfiles
+
+        t0 = time.perf_counter()
+        if args.imatrix is not None:
+            from export.imatrix import DEFAULT_CALIBRATION, export_gguf_imatrix
+
+            text = DEFAULT_CALIBRATION if args.imatrix == IMATRIX_DEFAULT_TEXT else args.imatrix
+            paths = export_gguf_imatrix(src, out, gguf_types(args), manifest, text=text, force=args.force,
+                                        nthread=args.threads)
+        else:
+            paths = export_gguf(src, out, gguf_types(args), manifest, force=args.force, nthread=args.threads)
+        _report(paths, t0)
+        for rel, e in manifest.files("gguf").items():
+            for f in e.get("fallbacks", []):
+                print(f"warning: {rel}: {f['tensor']} (width {f['width']}) stored as {f['type']}, not {e['type']}")
+        ggufs = {e["type"]: out / rel for rel, e in manifest.files("gguf").items() if (out / rel).is_file()}
+        for p in write_modelfiles(ggufs, src.config.max_seq_len):
+            print(f"wrote {p}")
+    print(f"wrote {manifest.save()}")
+    return manifest
+
+
 def run(args: argparse.Namespace) -> int:
     from export.card import write_card
     from export.parity import parse_thresholds, run_parity
@@ -119,39 +157,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {out} holds exports of {manifest.data['source']['checkpoint']}", file=sys.stderr)
             src = load_source(manifest.data["source"]["checkpoint"])
     else:
-        out.mkdir(parents=True, exist_ok=True)
-        manifest = Manifest.open(out, src, force=args.force)
-        if args.command in ("safetensors", "all"):
-            from export.hf import export_hf
-
-            t0 = time.perf_counter()
-            _report(export_hf(src, out, manifest, force=args.force), t0)
-            manifest.save()
-        if args.command in ("onnx", "all"):
-            t0 = time.perf_counter()
-            _report(export_onnx_files(src, out, manifest, args), t0)
-            manifest.save()
-        if args.command in ("gguf", "all"):
-            from export.gguf import export_gguf
-            from export.modelfile import write_modelfiles
-
-            t0 = time.perf_counter()
-            if args.imatrix is not None:
-                from export.imatrix import DEFAULT_CALIBRATION, export_gguf_imatrix
-
-                text = DEFAULT_CALIBRATION if args.imatrix == IMATRIX_DEFAULT_TEXT else args.imatrix
-                paths = export_gguf_imatrix(src, out, gguf_types(args), manifest, text=text, force=args.force,
-                                            nthread=args.threads)
-            else:
-                paths = export_gguf(src, out, gguf_types(args), manifest, force=args.force, nthread=args.threads)
-            _report(paths, t0)
-            for rel, e in manifest.files("gguf").items():
-                for f in e.get("fallbacks", []):
-                    print(f"warning: {rel}: {f['tensor']} (width {f['width']}) stored as {f['type']}, not {e['type']}")
-            ggufs = {e["type"]: out / rel for rel, e in manifest.files("gguf").items() if (out / rel).is_file()}
-            for p in write_modelfiles(ggufs, src.config.max_seq_len):
-                print(f"wrote {p}")
-        print(f"wrote {manifest.save()}")
+        manifest = write_exports(src, out, args)
     passed = True
     if args.command == "parity" or not args.no_parity:
         kw = {"n_new": args.new_tokens} if args.new_tokens else {}

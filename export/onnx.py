@@ -219,7 +219,10 @@ def _outputs(out_dir: Path, int8: bool, int4: bool) -> list[Path]:
 
 def export_model(model: Transformer, tokenizer: Tokenizer, out_dir: Path, *, int8: bool = False, int4: bool = False,
                  force: bool = False, opset: int | None = None, source: dict | None = None) -> list[Path]:
-    """Export an in-memory model (eval mode, fp32, CPU) with its tokenizer; returns the files written."""
+    """Export an in-memory model (eval mode, fp32, CPU) with its tokenizer; returns the files written.
+    One function on purpose (long): it is the sequence that makes an export complete — old files out,
+    fp32 written and checked, each quantized variant checked against it, config.json last (its
+    presence marks a complete export, so it must come after every check)."""
     import onnx
 
     out_dir = Path(out_dir)
@@ -284,7 +287,7 @@ def export_model(model: Transformer, tokenizer: Tokenizer, out_dir: Path, *, int
         "eos_ids": [tokenizer.eos_id, tokenizer.im_end_id],
         "quantization": {"int8": "onnxruntime quantize_dynamic: MatMul (QInt8 per channel) + Gather",
                          "int4": f"onnxruntime MatMulNBits + GatherBlockQuantized: 4 bits asymmetric, block {INT4_BLOCK_SIZE}, "
-                                 "symmetric round-to-nearest"},
+                                 "round-to-nearest"},
         "checks": {"fp32": check, **quality, "probe_tokens": int(probe.shape[1])},
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": _ort_version()},

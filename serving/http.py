@@ -213,6 +213,8 @@ def _sse(obj: dict) -> str:
 
 
 def create_app(backend: Backend, config: ServerConfig | None = None, lock: threading.Lock | None = None) -> FastAPI:
+    # Long on purpose: FastAPI routes are closures over this app's backend, lock and probe; each
+    # handler below is short, and splitting them across module-level factories would hide that state.
     cfg = config or ServerConfig(model_id=backend.name)
     lock = lock or threading.Lock()
     probe = GenerationProbe()  # counted under the lock: at most one active generation, ever
