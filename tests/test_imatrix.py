@@ -194,16 +194,21 @@ def test_truncated_files_are_refused(quants, tmp_path):
     assert not out.exists()
 
 
-def test_gguf_of_another_architecture_is_refused(tmp_path):
-    """A GGUF written by another tool for another architecture (here gpt2, by gguf-py)."""
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(path, "gpt2")
+def _tiny_gguf(path: Path, arch: str, tensor: str, shape: tuple[int, int]) -> Path:
+    """A one-tensor GGUF written by gguf-py, as another tool would write one."""
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.add_tensor(tensor, np.zeros(shape, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_gguf_of_another_architecture_is_refused(tmp_path):
+    """A GGUF written by another tool for another architecture (here gpt2, by gguf-py)."""
+    path = _tiny_gguf(tmp_path / "gpt2.gguf", "gpt2", "token_embd.weight", (4, 8))
     out = tmp_path / "x.imatrix.gguf"
     p = _cli("compute", str(path), "--out", str(out))
     _one_error_line(p, "architecture 'gpt2'")
@@ -212,16 +217,7 @@ def test_gguf_of_another_architecture_is_refused(tmp_path):
 
 def test_missing_tool_is_one_clear_line(tmp_path):
     """No llama-imatrix anywhere (empty PRODIP_LLAMA_TOOLS, a HOME without the cache, a bare PATH)."""
-    from export.gguf import write_gguf  # noqa: F401  (the model file only needs to be a llama GGUF)
-
-    path = tmp_path / "m.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _tiny_gguf(tmp_path / "m.gguf", "llama", "blk.0.attn_q.weight", (8, 8))
     (tmp_path / "empty").mkdir()
     env = {"PRODIP_LLAMA_TOOLS": str(tmp_path / "empty"), "HOME": str(tmp_path), "PATH": os.path.dirname(sys.executable)}
     out = tmp_path / "x.imatrix.gguf"
