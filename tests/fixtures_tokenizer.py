@@ -1,10 +1,11 @@
-"""Helpers for the tokenizer/prepare tests: where the shared data is, and small deterministic subsets."""
+"""Helpers for the tokenizer/prepare tests: small deterministic corpora from training/assets, and where
+the opt-in shared data is."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import SHARED_DATA, shared_path
+from conftest import CORPUS, SHARED_DATA, shared_path
 
 SHARED = SHARED_DATA
 TATOEBA = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
@@ -38,14 +39,13 @@ def head_paragraphs(path: Path, max_bytes: int, skip_bytes: int = 0) -> str:
 
 
 def write_subset(folder: Path, bytes_per_language: int) -> Path:
-    """A two-language corpus (bn/*.txt, en/*.txt) cut from the shared data: same bytes every time."""
-    need_shared()
-    for lang, files in (("bn", BN_FILES), ("en", EN_FILES)):
+    """A two-language corpus (bn/*.txt, en/*.txt) from the text that ships in training/assets: the
+    same bytes every time, on every clone. At most `bytes_per_language` of each language."""
+    for lang in ("bn", "en"):
         (folder / lang).mkdir(parents=True, exist_ok=True)
+        files = sorted(CORPUS.glob(f"{lang}_*.txt"))
         per_file = bytes_per_language // len(files)
-        for rel in files:
-            src = need_shared(*rel.split("/"))
-            # Skip the first 20% (front matter, Gutenberg header) for prose that looks like the rest.
-            text = head_paragraphs(src, per_file, skip_bytes=src.stat().st_size // 5)
-            (folder / lang / (src.stem + ".txt")).write_text(text, encoding="utf-8")
+        for src in files:
+            text = head_paragraphs(src, per_file)
+            (folder / lang / src.name).write_text(text, encoding="utf-8")
     return folder

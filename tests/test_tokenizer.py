@@ -1,7 +1,7 @@
 """training.tokenizer: the same text always reaches the model as the same ids (CPU, offline).
 
-A small tokenizer is trained on a few hundred KB of the shared Bangla + English training text (files
-that use both spellings of the nukta letters), exactly as training.prepare trains it.
+A small tokenizer is trained on the Bangla + English text that ships in training/assets/corpus, exactly
+as training.prepare trains it; Tatoeba lines (../shared/data) add opt-in breadth.
 """
 
 from __future__ import annotations
