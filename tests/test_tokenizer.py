@@ -7,7 +7,8 @@ as training.prepare trains it; Tatoeba lines (../shared/data) add opt-in breadth
 from __future__ import annotations
 
 import pytest
-from fixtures_tokenizer import TATOEBA, need_shared, write_subset
+from conftest import CORPUS
+from fixtures_tokenizer import need_shared, write_subset
 
 from training.prepare import iter_file_docs, resolve_inputs
 from training.text import NUKTA, ZWJ, ZWNJ, normalize
@@ -56,7 +57,11 @@ def test_zwj_and_zwnj_are_preserved_not_folded(tok):
         ids = tok.encode(s)
         assert tok.decode(ids) == s
         assert ids != tok.encode(s.replace(ZWJ, "").replace(ZWNJ, ""))
-    lines = [ln for ln in TATOEBA.read_text(encoding="utf-8").splitlines() if ZWJ in ln or ZWNJ in ln]
+
+
+def test_real_zwj_and_zwnj_lines_roundtrip(tok):  # opt-in breadth: Tatoeba's modern Bangla
+    tatoeba = need_shared("bn", "dev", "tatoeba_bn.txt")
+    lines = [ln for ln in tatoeba.read_text(encoding="utf-8").splitlines() if ZWJ in ln or ZWNJ in ln]
     assert lines, "tatoeba holds ZWJ/ZWNJ lines"
     for ln in lines:
         assert tok.decode(tok.encode(ln)) == normalize(ln)
@@ -100,7 +105,8 @@ def test_specials_only_with_allow_special(tok):
 
 
 def test_training_is_reproducible_and_thread_count_independent(tok, tmp_path):
-    lines = [ln for ln in TATOEBA.read_text(encoding="utf-8").splitlines()]
+    lines = [ln for f in sorted(CORPUS.glob("bn_*.txt")) for ln in f.read_text(encoding="utf-8").splitlines()
+             if ln.strip()]
     a = train_tokenizer(lines, 800, num_threads=1)
     b = train_tokenizer(lines, 800, num_threads=2)
     assert a.proto == b.proto and a.sha256 == b.sha256
