@@ -24,6 +24,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 ASSETS = REPO / "training" / "assets"
 CORPUS = ASSETS / "corpus"
 CHAT_SET = ASSETS / "chat" / "prodip_chat_bn.jsonl"
+ORTHOGRAPHY = ASSETS / "text" / "orthography_bn.txt"  # not normalized on purpose: both nukta spellings, ZWJ/ZWNJ
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 OPT_IN = "opt-in:"  # the only skips CI accepts: say what to set to run the test
 

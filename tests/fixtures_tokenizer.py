@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import CORPUS, SHARED_DATA, shared_path
+from conftest import CORPUS, ORTHOGRAPHY, SHARED_DATA, shared_path
 
 SHARED = SHARED_DATA
 TATOEBA = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
@@ -17,6 +17,13 @@ BN_FILES = ("bn/train/majantali_bnarchive/RabindranathTagore_Prose_GalpaGuchchha
 EN_FILES = ("en/train/gutenberg/Great-Expectations_1400__1400-0.txt",
             "en/train/gutenberg/Frankenstein_84__84-0.txt",
             "en/train/tinyshakespeare_input.txt")
+
+
+def shipped_lines() -> list[str]:
+    """Every non-empty line of the shipped plain text: corpus, held-out eval text, calibration text and
+    the (un-normalized) orthography file."""
+    files = [*sorted(CORPUS.glob("*.txt")), *sorted(CORPUS.parent.glob("[ec]*/*.txt")), ORTHOGRAPHY]
+    return [ln for f in files for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
 
 
 def need_shared(*parts: str) -> Path:

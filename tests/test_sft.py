@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHARED_DATA, shared_path
+from conftest import CHAT_SET, REPO, SHARED_DATA, shared_path
 
 from training import checkpoint as ckpt
 from training import layout, sft, sft_data
@@ -33,6 +33,7 @@ SHARED_CHAT = SHARED_DATA / "chat" / "sft_tatoeba_translate_bn_en.jsonl"
 VOCAB = 768
 SEQ = 128
 N_TRAIN, N_TEST = 320, 64  # shared records the end-to-end run reads (train split, test split)
+N_TEST_SHIPPED = 40  # of the 351 shipped conversations, the last 40 are held out
 
 # A multi-turn Bangla conversation with a system prompt (already in normalize()'s canonical form).
 CONVERSATION = [
@@ -357,6 +358,17 @@ def _shared_records(n_train: int, n_test: int) -> list[str]:
     return train + test
 
 
+def _shipped_records(n_test: int) -> list[str]:
+    """The chat set that ships in training/assets, its last `n_test` conversations marked held out."""
+    lines = [ln for ln in CHAT_SET.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    out = []
+    for i, ln in enumerate(lines):
+        rec = json.loads(ln)
+        rec["split"] = "test" if i >= len(lines) - n_test else "train"
+        out.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    return out
+
+
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
     """A tiny pretrained run made by the real CLIs on the bundled corpus (no chat data in it)."""
@@ -373,11 +385,16 @@ def pretrained(tmp_path_factory) -> Path:
     return root / "pre"
 
 
-def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf(pretrained, tmp_path):
+@pytest.mark.parametrize("source", ["shipped", "shared"])
+def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf(pretrained, tmp_path, source):
+    """On every clone the shipped chat set; opt-in breadth: Tatoeba translation chats (../shared)."""
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(_shared_records(N_TRAIN, N_TEST)), encoding="utf-8")
+    records = _shipped_records(N_TEST_SHIPPED) if source == "shipped" else _shared_records(N_TRAIN, N_TEST)
+    n_test = N_TEST_SHIPPED if source == "shipped" else N_TEST
+    seq = 256 if source == "shipped" else SEQ  # the shipped chats are longer: a fifth exceed 128 tokens
+    data.write_text("".join(records), encoding="utf-8")
     out = tmp_path / "sft"
-    argv = ["--init", str(pretrained), "--data", str(data), "--out", str(out), "--seq-len", str(SEQ),
+    argv = ["--init", str(pretrained), "--data", str(data), "--out", str(out), "--seq-len", str(seq),
             "--batch-size", "8", "--max-steps", "40", "--lr", "2e-3", "--warmup-steps", "5", "--eval-every", "20",
             "--eval-batches", "2", "--log-every", "20", "--device", "cpu"]
     assert sft.main(argv) == 0
@@ -386,15 +403,17 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
     assert (out / layout.RUN_CONFIG).is_file() and not (out / layout.LEGACY_RUN_CONFIG).exists()
     assert run_cfg["kind"] == "sft" and run_cfg["train"]["init"]
     report = json.loads((out / sft.REPORT_FILE).read_text())
-    assert report["split_by"] == "split field" and report["val"]["conversations"] == N_TEST
+    assert report["split_by"] == "split field" and report["val"]["conversations"] == n_test
     # independently of the report: every held-out (split: test) assistant token, both checkpoints
     model_pre, ck_pre = ckpt.load_model(pretrained)
     model_sft, ck_sft = ckpt.load_model(out)
     assert ck_sft.tokenizer.sha256 == ck_pre.tokenizer.sha256 and ck_sft.state["kind"] == "sft"
-    d = sft_data.SFTData.load([str(data)], ck_sft.tokenizer, SEQ)
-    pre = sft.heldout_loss(model_pre, d.val, SEQ, ck_sft.tokenizer.pad_id)
-    post = sft.heldout_loss(model_sft, d.val, SEQ, ck_sft.tokenizer.pad_id)
-    assert post < pre - 0.5, f"SFT held-out assistant loss {post:.3f} does not beat pre-SFT {pre:.3f}"
+    d = sft_data.SFTData.load([str(data)], ck_sft.tokenizer, seq)
+    pre = sft.heldout_loss(model_pre, d.val, seq, ck_sft.tokenizer.pad_id)
+    post = sft.heldout_loss(model_sft, d.val, seq, ck_sft.tokenizer.pad_id)
+    # the shipped chats are varied (measured 5.84 -> 5.46 nats); Tatoeba's templated ones gain more
+    margin = 0.3 if source == "shipped" else 0.5
+    assert post < pre - margin, f"SFT held-out assistant loss {post:.3f} does not beat pre-SFT {pre:.3f}"
     assert report["heldout"]["sft_loss"] == pytest.approx(post, rel=1e-4)
     assert report["heldout"]["init_loss"] == pytest.approx(pre, rel=1e-4)
     gates = json.loads((out / "gates.json").read_text())

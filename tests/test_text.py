@@ -5,7 +5,8 @@ from __future__ import annotations
 import unicodedata
 
 import pytest
-from fixtures_tokenizer import BN_FILES, TATOEBA, need_shared
+from conftest import ORTHOGRAPHY
+from fixtures_tokenizer import BN_FILES, TATOEBA, need_shared, shipped_lines
 
 from training.text import (
     BOM,
@@ -45,8 +46,11 @@ def test_bom_and_carriage_returns_are_cleaned():
     assert not is_normalized("a\r\nb") and not is_normalized(BOM + "a")
 
 
-def test_idempotent_and_stable_on_real_text():
-    lines = need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines()
+@pytest.mark.parametrize("source", ["shipped", "tatoeba"])
+def test_idempotent_and_stable_on_real_text(source):
+    """On every clone: the shipped text; opt-in breadth: Tatoeba's 5,120 lines."""
+    lines = (shipped_lines() if source == "shipped"
+             else need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines())
     for line in lines:
         n = normalize(line)
         assert normalize(n) == n and is_normalized(n)
@@ -54,12 +58,18 @@ def test_idempotent_and_stable_on_real_text():
         assert n.count(ZWJ) == line.count(ZWJ) and n.count(ZWNJ) == line.count(ZWNJ)
 
 
-def test_shared_files_with_either_spelling_agree_after_normalize():
-    """The shared files mix U+09DC/09DD/09DF and base+nukta; after normalize only the pair remains."""
-    texts = [need_shared(*rel.split("/")).read_text(encoding="utf-8") for rel in BN_FILES] + [TATOEBA.read_text()]
+@pytest.mark.parametrize("source", ["shipped", "shared"])
+def test_files_with_either_spelling_agree_after_normalize(source):
+    """Text mixing U+09DC/09DD/09DF and base+nukta: after normalize only the pair remains. On every
+    clone the shipped orthography file; opt-in breadth: the shared literature and Tatoeba."""
+    if source == "shipped":
+        texts, least = [ORTHOGRAPHY.read_text(encoding="utf-8")], 10
+    else:
+        texts = [need_shared(*rel.split("/")).read_text(encoding="utf-8") for rel in BN_FILES] + [TATOEBA.read_text()]
+        least = 1000
     raw_pre = sum(t.count(c) for t in texts for c in PRECOMPOSED)
     raw_nukta = sum(t.count(NUKTA) for t in texts)
-    assert raw_pre > 1000 and raw_nukta > 1000, "fixture files should hold both spellings"
+    assert raw_pre > least and raw_nukta > least, "fixture files should hold both spellings"
     normed = [normalize(t) for t in texts]
     assert sum(t.count(c) for t in normed for c in PRECOMPOSED) == 0
     assert sum(t.count(NUKTA) for t in normed) == raw_pre + raw_nukta

@@ -7,8 +7,8 @@ as training.prepare trains it; Tatoeba lines (../shared/data) add opt-in breadth
 from __future__ import annotations
 
 import pytest
-from conftest import CORPUS
-from fixtures_tokenizer import need_shared, write_subset
+from conftest import CORPUS, ORTHOGRAPHY
+from fixtures_tokenizer import need_shared, shipped_lines, write_subset
 
 from training.prepare import iter_file_docs, resolve_inputs
 from training.text import NUKTA, ZWJ, ZWNJ, normalize
@@ -44,10 +44,22 @@ def test_both_nukta_spellings_give_identical_ids(tok):
             assert not byte_pieces(tok, a), (word, [tok.id_to_piece(i) for i in a])
 
 
-def test_real_lines_in_either_spelling_give_identical_ids(tok):
-    lines = [ln for ln in need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines()
-             if any(c in ln for c in "\u09dc\u09dd\u09df")]
-    assert len(lines) > 500
+def _precomposed(line: str) -> str:
+    """`line` with every base + nukta pair of ড় ঢ় য় written as the precomposed letter."""
+    for pre, base in (("\u09dc", "\u09a1"), ("\u09dd", "\u09a2"), ("\u09df", "\u09af")):
+        line = line.replace(base + NUKTA, pre)
+    return line
+
+
+@pytest.mark.parametrize("source", ["shipped", "tatoeba"])
+def test_real_lines_in_either_spelling_give_identical_ids(tok, source):
+    """On every clone the shipped text; opt-in breadth: Tatoeba's modern Bangla."""
+    if source == "shipped":
+        lines, least = [_precomposed(ln) for ln in shipped_lines()], 100
+    else:
+        lines, least = need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines(), 500
+    lines = [ln for ln in lines if any(c in ln for c in "\u09dc\u09dd\u09df")]
+    assert len(lines) > least
     for ln in lines:
         assert tok.encode(ln) == tok.encode(ln.translate(DECOMPOSE))
 
@@ -59,17 +71,25 @@ def test_zwj_and_zwnj_are_preserved_not_folded(tok):
         assert ids != tok.encode(s.replace(ZWJ, "").replace(ZWNJ, ""))
 
 
-def test_real_zwj_and_zwnj_lines_roundtrip(tok):  # opt-in breadth: Tatoeba's modern Bangla
-    tatoeba = need_shared("bn", "dev", "tatoeba_bn.txt")
-    lines = [ln for ln in tatoeba.read_text(encoding="utf-8").splitlines() if ZWJ in ln or ZWNJ in ln]
-    assert lines, "tatoeba holds ZWJ/ZWNJ lines"
+@pytest.mark.parametrize("source", ["shipped", "tatoeba"])
+def test_real_zwj_and_zwnj_lines_roundtrip(tok, source):
+    """On every clone the shipped orthography file; opt-in breadth: Tatoeba's modern Bangla."""
+    text = (ORTHOGRAPHY if source == "shipped" else need_shared("bn", "dev", "tatoeba_bn.txt")).read_text(encoding="utf-8")
+    lines = [ln for ln in text.splitlines() if ZWJ in ln or ZWNJ in ln]
+    assert lines, "the file holds ZWJ/ZWNJ lines"
     for ln in lines:
         assert tok.decode(tok.encode(ln)) == normalize(ln)
 
 
-def test_decode_encode_roundtrip_every_tatoeba_line(tok):
-    lines = need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines()
-    assert len(lines) == 5120
+@pytest.mark.parametrize("source", ["shipped", "tatoeba"])
+def test_decode_encode_roundtrip_every_line(tok, source):
+    """On every clone each shipped line; opt-in breadth: all 5,120 Tatoeba lines."""
+    if source == "shipped":
+        lines = shipped_lines()
+        assert len(lines) > 1000
+    else:
+        lines = need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines()
+        assert len(lines) == 5120
     bad = [ln for ln in lines if tok.decode(tok.encode(ln)) != normalize(ln)]
     assert not bad, bad[:3]
     assert all(UNK_ID not in tok.encode(ln) for ln in lines)
