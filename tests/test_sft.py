@@ -391,11 +391,12 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
     data = tmp_path / "chat.jsonl"
     records = _shipped_records(N_TEST_SHIPPED) if source == "shipped" else _shared_records(N_TRAIN, N_TEST)
     n_test = N_TEST_SHIPPED if source == "shipped" else N_TEST
+    steps = 80 if source == "shipped" else 40  # 311 varied conversations need more steps than templated ones
     seq = 256 if source == "shipped" else SEQ  # the shipped chats are longer: a fifth exceed 128 tokens
     data.write_text("".join(records), encoding="utf-8")
     out = tmp_path / "sft"
     argv = ["--init", str(pretrained), "--data", str(data), "--out", str(out), "--seq-len", str(seq),
-            "--batch-size", "8", "--max-steps", "40", "--lr", "2e-3", "--warmup-steps", "5", "--eval-every", "20",
+            "--batch-size", "8", "--max-steps", str(steps), "--lr", "2e-3", "--warmup-steps", "5", "--eval-every", "20",
             "--eval-batches", "2", "--log-every", "20", "--device", "cpu"]
     assert sft.main(argv) == 0
 
@@ -411,7 +412,7 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
     d = sft_data.SFTData.load([str(data)], ck_sft.tokenizer, seq)
     pre = sft.heldout_loss(model_pre, d.val, seq, ck_sft.tokenizer.pad_id)
     post = sft.heldout_loss(model_sft, d.val, seq, ck_sft.tokenizer.pad_id)
-    # the shipped chats are varied (measured 5.84 -> 5.46 nats); Tatoeba's templated ones gain more
+    # the shipped chats are varied (at 40 steps: 5.84 -> 5.46 nats); Tatoeba's templated ones gain more
     margin = 0.3 if source == "shipped" else 0.5
     assert post < pre - margin, f"SFT held-out assistant loss {post:.3f} does not beat pre-SFT {pre:.3f}"
     assert report["heldout"]["sft_loss"] == pytest.approx(post, rel=1e-4)
@@ -422,7 +423,8 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
     llama_cpp = pytest.importorskip("llama_cpp")
     gguf_file = export_gguf_f16(out, tmp_path / "sft.gguf")
     llm = llama_cpp.Llama(str(gguf_file), n_ctx=256, n_threads=1, verbose=False, seed=0)
-    ask = json.loads(data.read_text(encoding="utf-8").splitlines()[-1])["messages"][:1]
+    held_out = json.loads(data.read_text(encoding="utf-8").splitlines()[-1])["messages"]
+    ask = held_out[:next(i for i, m in enumerate(held_out) if m["role"] == "user") + 1]  # system prompt kept
     res = llm.create_chat_completion(messages=ask, max_tokens=24, temperature=0.0)
     msg = res["choices"][0]["message"]
     assert msg["role"] == "assistant" and msg["content"].strip(), res
