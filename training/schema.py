@@ -1,0 +1,115 @@
+"""The one schema for every value a user types: flags, `--set`, TOML keys, HTTP bodies.
+
+Value types are pydantic `Annotated` types with their ranges, so a flag, a TOML key and a JSON field
+of the same kind are checked by the same rule and fail with the same words. Every error names where
+the value came from (`--lr`, `[train] lr`, `temperature`) and the value itself; every "unknown name"
+error suggests the nearest valid one.
+
+A leaf module: it imports pydantic and the standard library only (no torch), so every CLI can check
+its arguments before anything heavy is imported or anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, TypeVar
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+T = TypeVar("T")
+
+# ----------------------------------------------------------------------------------------- value types
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]  # 0: let the OS pick a free port
+# Seeds reach torch (uint64), numpy Generators and C long long (llama.cpp): [0, 2^63) fits them all.
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class SchemaError(ValueError):
+    """A value or name that the schema refuses; the message names its source and the value."""
+
+
+def first_problem(e: ValidationError) -> str:
+    """pydantic's first complaint in plain words, with the location inside nested values if any."""
+    err = e.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+    return f"{loc}: {err['msg']}" if loc else err["msg"]
+
+
+_ADAPTERS: dict[Any, TypeAdapter] = {}
+
+
+def _adapter(type_: Any) -> TypeAdapter:
+    key = repr(type_)
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = TypeAdapter(type_)
+    return _ADAPTERS[key]
+
+
+def check(type_: Any, value: Any, where: str) -> Any:
+    """`value` (already a Python object: from TOML, JSON or code) checked against `type_`; `where`
+    names its source in the error, e.g. "[train] lr" or "--set n_heads"."""
+    try:
+        return _adapter(type_).validate_python(value)
+    except ValidationError as e:
+        raise SchemaError(f"{where} = {value!r}: {first_problem(e)}") from None
+
+
+def parse(type_: Any, text: str, where: str) -> Any:
+    """`text` (a string from the command line) parsed and checked as `type_`: "1e3" is not an int,
+    "nan" and "inf" are not finite floats."""
+    try:
+        return _adapter(type_).validate_strings(text)
+    except ValidationError as e:
+        raise SchemaError(f"{where} = {text!r}: {first_problem(e)}") from None
+
+
+def flag(type_: Any) -> Callable[[str], Any]:
+    """An argparse `type=` for `type_`: argparse then reports `argument --x: <why> (got 'v')`."""
+
+    def convert(text: str) -> Any:
+        try:
+            return _adapter(type_).validate_strings(text)
+        except ValidationError as e:
+            raise argparse.ArgumentTypeError(f"{first_problem(e)} (got {text!r})") from None
+
+    convert.__name__ = getattr(type_, "__name__", "value")  # argparse names the type in some messages
+    return convert
+
+
+# ----------------------------------------------------------------------------------------------- names
+def suggest(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean "x"?)' for the nearest valid name, or '' when nothing is close."""
+    near = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str]) -> SchemaError:
+    """The error for a name that is not one of `choices`, e.g. unknown_name("preset", "smal", PRESETS)."""
+    choices = sorted(choices)
+    return SchemaError(f"unknown {kind} {name!r}{suggest(name, choices)}; choose from {', '.join(choices)}")
+
+
+def one_of(kind: str, name: str, choices: Iterable[str]) -> str:
+    """`name` if it is one of `choices`, else the unknown_name error."""
+    choices = list(choices)
+    if name not in choices:
+        raise unknown_name(kind, name, choices)
+    return name
+
+
+def reject_unknown(kind: str, given: Iterable[str], known: Iterable[str], where: str = "") -> None:
+    """Refuse keys (TOML keys, tables, JSON fields) that are not in `known`, nearest name suggested."""
+    known = list(known)
+    for name in given:
+        if name not in known:
+            prefix = f"{where}: " if where else ""
+            raise SchemaError(f"{prefix}unknown {kind} {name!r}{suggest(name, known)}; "
+                              f"known: {', '.join(sorted(known))}")
