@@ -1,4 +1,4 @@
-"""The one-command CPU quickstart: prepare -> pretrain `small` -> SFT -> export all -> parity -> demo.
+"""The one-command CPU quickstart: prepare -> pretrain -> SFT -> export all -> parity -> demo.
 
     python -m demo.quickstart [--out runs/quickstart] [--corpus PATH] [--steps 200] [--no-demo]
 
@@ -17,7 +17,11 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
 
 import training
 from demo.models import (
@@ -32,7 +36,10 @@ from demo.models import (
 )
 from training import checkpoint as ckpt
 from training import layout
-from training.cli import guarded
+from training.cli import ArgumentParser, run_main
+from training.config import TrainConfig
+from training.model import preset_names
+from training.schema import Port, flag
 
 ASSETS = Path(training.__file__).resolve().parent / "assets"
 DEFAULT_CORPUS = ASSETS / "corpus"
@@ -41,24 +48,46 @@ TRAIN_PY = Path(training.__file__).resolve().parent / "train.py"
 SFT_PY = Path(training.__file__).resolve().parent / "sft.py"
 EXIT_PARITY_BREACH = 1  # `python -m export`: files written, a parity threshold breached
 
+# The recipe, chosen by measured held-out bits per byte (training/assets/eval/heldout_bn.txt) in short
+# probes on the shipped corpus; docs/eval.md has the table. The corpus is small (~34 k training tokens at
+# vocab 4096), so a few epochs overfit: validation every EVAL_EVERY steps stops the run after PATIENCE
+# evaluations without a new best, and the best checkpoint is the one exported.
+VOCAB_SIZE = 4096
+# Without --preset: the `small` preset narrowed to d_model 256 (4.2 M parameters at vocab 4096, 512
+# context), sized to the shipped corpus (~34 k training tokens: the full `small`, 14.7 M, memorizes it
+# within a few epochs) at under a third of the full preset's FLOPs per step. docs/eval.md: measurements.
+DEFAULT_PRESET = "small"
+MODEL_OVERRIDES = {"d_model": 256, "ffn_dim": 768, "n_heads": 4, "n_kv_heads": 2}
+PRETRAIN_STEPS, PRETRAIN_LR, PRETRAIN_WARMUP = 200, "3e-3", "20"
+SFT_STEPS, SFT_LR, SFT_WARMUP = 80, "1e-3", "10"
+BATCH, SEQ_LEN = "8", "256"
+EVAL_EVERY, PATIENCE = 20, 2
+# Bounds that fail here, before minutes of work: uint16 token shards hold at most 65,536 ids, and
+# SentencePiece needs room for every character of the corpus plus the specials.
+VocabSize = Annotated[int, Field(ge=256, le=65536)]
+Steps = Annotated[int, Field(gt=0, le=2**62)]
+
 
 class QuickstartError(ValueError):
     """A stage failed or an input is missing: one `error:` line through training.cli.guarded."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m demo.quickstart", description=__doc__,
+    ap = ArgumentParser(prog="python -m demo.quickstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("PRODIP_HOME", ".")) / QUICKSTART_RUN)
     ap.add_argument("--corpus", type=Path, action="append", help="text to pretrain on (default: the shipped corpus)")
     ap.add_argument("--chat", type=Path, default=DEFAULT_CHAT, help="conversations for SFT (messages JSONL)")
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=200, help="pretraining steps (8 x 256 tokens each)")
-    ap.add_argument("--sft-steps", type=int, default=80)
+    ap.add_argument("--preset", default=None, choices=preset_names(),
+                    help=f"model shape (default: {DEFAULT_PRESET} with "
+                         f"{', '.join(f'{k}={v}' for k, v in MODEL_OVERRIDES.items())})")
+    ap.add_argument("--vocab-size", type=flag(VocabSize), default=VOCAB_SIZE)
+    ap.add_argument("--steps", type=flag(Steps), default=PRETRAIN_STEPS,
+                    help="most pretraining steps (8 x 256 tokens each); validation may stop it earlier")
+    ap.add_argument("--sft-steps", type=flag(Steps), default=SFT_STEPS)
     ap.add_argument("--no-demo", action="store_true", help="stop after export and parity")
     ap.add_argument("--host", default=DEFAULT_HOST)
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ap.add_argument("--port", type=flag(Port), default=DEFAULT_PORT)
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     return ap
 
@@ -74,18 +103,34 @@ def stage(name: str, cmd: list[str], tolerate: tuple[int, ...] = ()) -> int:
 
 
 def finished(run_dir: Path, steps: int) -> bool:
+    """The run reached `steps`, or validation stopped it early (its newest checkpoint is the best)."""
+    if (run_dir / layout.EARLY_STOP).is_file():
+        return ckpt.latest(run_dir) is not None
     last = ckpt.latest(run_dir)
     return last is not None and layout.read_json(last / layout.STATE, "checkpoint state")["step"] >= steps
 
 
+def model_flags(preset: str | None) -> list[str]:
+    """--preset (and, for the default, MODEL_OVERRIDES as --set KEY=VALUE)."""
+    if preset is not None:
+        return ["--preset", preset]
+    return ["--preset", DEFAULT_PRESET, *sum((["--set", f"{k}={v}"] for k, v in MODEL_OVERRIDES.items()), [])]
+
+
+def early_stop_flags() -> list[str]:
+    """`--early-stop-patience N` where this training has it (TrainConfig.early_stop_patience)."""
+    if "early_stop_patience" in {f.name for f in fields(TrainConfig)}:
+        return ["--early-stop-patience", str(PATIENCE)]
+    return []
+
+
 def check_inputs(a: argparse.Namespace) -> None:
-    """Fail before the first stage, not minutes into it."""
+    """Fail before the first stage, not minutes into it (numbers and names: argparse, by the schema)."""
+    if a.out.exists() and not a.out.is_dir():
+        raise QuickstartError(f"--out {a.out} is a file, not a folder")
     for p in [*(a.corpus or []), a.chat]:
         if not p.exists():
             raise QuickstartError(f"input not found: {p}")
-    for flag, n in (("--steps", a.steps), ("--sft-steps", a.sft_steps), ("--vocab-size", a.vocab_size)):
-        if n < 1:
-            raise QuickstartError(f"{flag} must be >= 1, not {n}")
 
 
 def build(a: argparse.Namespace) -> bool:
@@ -97,13 +142,17 @@ def build(a: argparse.Namespace) -> bool:
         stage("prepare", [py, "-m", "training.prepare", *sum((["--input", p] for p in inputs), []), "--out", str(data),
                           "--vocab-size", str(a.vocab_size)])
     if not finished(base, a.steps):
-        stage("pretrain", [py, str(TRAIN_PY), "--preset", a.preset, "--data", str(data), "--out", str(base),
-                           "--max-steps", str(a.steps), "--batch-size", "8", "--seq-len", "256", "--lr", "2e-3",
-                           "--warmup-steps", "20", "--eval-every", "50", "--save-every", "50", "--log-every", "10"])
+        every = str(min(EVAL_EVERY, a.steps))
+        stage("pretrain", [py, str(TRAIN_PY), *model_flags(a.preset), "--data", str(data), "--out", str(base),
+                           "--max-steps", str(a.steps), "--batch-size", BATCH, "--seq-len", SEQ_LEN,
+                           "--lr", PRETRAIN_LR, "--warmup-steps", PRETRAIN_WARMUP, "--eval-every", every,
+                           "--save-every", every, "--log-every", "10", *early_stop_flags()])
     if not finished(chat, a.sft_steps):
+        every = str(min(EVAL_EVERY, a.sft_steps))
         stage("sft", [py, str(SFT_PY), "--init", str(base), "--data", str(a.chat), "--out", str(chat),
-                      "--max-steps", str(a.sft_steps), "--batch-size", "8", "--seq-len", "256", "--lr", "1e-3",
-                      "--warmup-steps", "10", "--eval-every", "40", "--save-every", "40", "--log-every", "10"])
+                      "--max-steps", str(a.sft_steps), "--batch-size", BATCH, "--seq-len", SEQ_LEN, "--lr", SFT_LR,
+                      "--warmup-steps", SFT_WARMUP, "--eval-every", every, "--save-every", every,
+                      "--log-every", "10", *early_stop_flags()])
     parity = chat / layout.EXPORT / layout.PARITY_JSON
     if not parity.is_file():
         rc = stage("export + parity", [py, "-m", "export", "all", str(chat), "--q8", "--q4", "--f16", "--int8", "--int4"],
@@ -132,8 +181,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return guarded(lambda: run(args), debug=args.debug, errors=(QuickstartError, layout.LayoutError, OSError))
+    return run_main(build_parser(), argv, run, errors=(QuickstartError, layout.LayoutError, OSError))
 
 
 if __name__ == "__main__":

@@ -16,23 +16,26 @@ import sys
 import time
 from pathlib import Path
 
+from export import ExportError
 from export.manifest import Manifest, Source, default_out_dir, human_size, load_source
 from training import layout
-from training.cli import guarded
+from training.cli import ArgumentParser, run_main
+from training.schema import NonNegInt, PositiveInt, flag
 
 COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity")
 DEFAULT_GGUF = ("F16", "Q8_0", "Q4_K_M")
 IMATRIX_DEFAULT_TEXT = Path("-")  # `--imatrix` without a value: export.imatrix.DEFAULT_CALIBRATION
 EXIT_PARITY = 1  # files written, a parity threshold breached (bad input exits 2 through training.cli)
+MAX_NEW_TOKENS = 4096  # greedy parity continuations: far beyond any context we export
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m export", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=COMMANDS)
     p.add_argument("path", type=Path, metavar="RUN_DIR|CHECKPOINT_DIR")
     p.add_argument("--out", type=Path, help="export folder (default RUN_DIR/export)")
-    p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--step", type=flag(NonNegInt), help="checkpoint step (default: the newest complete one)")
     p.add_argument("--force", action="store_true", help="overwrite existing exports")
     g = p.add_argument_group("gguf")
     g.add_argument("--f32", action="store_true")
@@ -40,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--q8", action="store_true", help="Q8_0")
     g.add_argument("--q4", action="store_true", help="Q4_K_M")
     g.add_argument("--type", action="append", default=[], metavar="NAME", help="any llama.cpp file type, e.g. Q5_K_M")
-    g.add_argument("--threads", type=int, default=None, help="quantizer threads (default: all cores)")
+    g.add_argument("--threads", type=flag(PositiveInt), default=None, help="quantizer threads (default: all cores)")
     g.add_argument("--imatrix", nargs="?", type=Path, const=IMATRIX_DEFAULT_TEXT, default=None, metavar="TEXT",
                    help="quantize K/IQ types with an importance matrix computed by llama-imatrix on TEXT "
                         "(default: the shipped Bangla calibration text); needs scripts/build_llama_tools.sh")
@@ -50,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = p.add_argument_group("parity")
     q.add_argument("--no-parity", action="store_true", help="skip the parity run after exporting")
     q.add_argument("--threshold", action="append", default=[], metavar="KIND.METRIC=VALUE")
-    q.add_argument("--new-tokens", type=int, default=None, help="greedy continuation length (default 16)")
+    q.add_argument("--new-tokens", type=flag(PositiveInt), default=None,
+                   help=f"greedy continuation length (default 16, at most {MAX_NEW_TOKENS})")
     q.add_argument("--texts", type=Path, help="extra texts (one per line) for tokenizer parity")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -79,21 +83,57 @@ def export_onnx_files(src: Source, out: Path, manifest: Manifest, args: argparse
 
 
 def check_gates(src: Source) -> None:
-    """Nothing is exported from a run whose pre-flight gates failed (training.gates)."""
+    """Nothing is exported from a run whose configuration is damaged (run.json: the card and the manifest
+    describe the run by it) or whose pre-flight gates failed (training.gates)."""
     from training.gates import require_passed
 
     if src.run_dir is None:
         return
+    layout.read_run_config(src.run_dir)  # LayoutError naming run.json when it is damaged
     if (src.run_dir / layout.GATES).is_file():
         require_passed(src.run_dir)
     else:
         print(f"warning: {src.run_dir} has no {layout.GATES}: its pre-flight gates were never recorded", file=sys.stderr)
 
 
-def write_exports(src: Source, out: Path, args: argparse.Namespace) -> Manifest:
+def planned_files(src: Source, out: Path, args: argparse.Namespace) -> list[Path]:
+    """Every file the export command will write (besides manifest, card and Modelfiles, which are merged)."""
+    files: list[Path] = []
+    if args.command in ("safetensors", "all"):
+        from export.hf import WEIGHTS_FILE
+
+        files.append(out / layout.HF_DIR / WEIGHTS_FILE)
+    if args.command in ("onnx", "all"):
+        from export.onnx import planned_outputs
+
+        files += planned_outputs(out / layout.ONNX_DIR, args.int8, args.int4)
+    if args.command in ("gguf", "all"):
+        from export.gguf import canonical_type, gguf_path
+
+        files += [gguf_path(out, src, canonical_type(t)) for t in gguf_types(args)]
+        if args.imatrix is not None:
+            from export.imatrix import imatrix_path
+
+            files.append(imatrix_path(out, src.name))
+    return files
+
+
+def check_out(src: Source, out: Path, args: argparse.Namespace) -> Manifest:
+    """The export folder's manifest, once nothing in the way of writing is left: --out is a folder (or
+    absent), its manifest is readable and of this checkpoint (or --force), and no file the command
+    writes exists (or --force). `python -m export all` must not write hf/ and then refuse onnx/."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a folder")
+    manifest = Manifest.open(out, src, force=args.force)
+    existing = [p for p in planned_files(src, out, args) if p.exists()]
+    if existing and not args.force:
+        raise ExportError(f"{existing[0]} exists; use --force to overwrite (nothing was written)")
+    return manifest
+
+
+def write_exports(src: Source, out: Path, manifest: Manifest, args: argparse.Namespace) -> Manifest:
     """Every requested format into `out`, each recorded in the manifest as soon as it is written."""
     out.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest.open(out, src, force=args.force)
     if args.command in ("safetensors", "all"):
         from export.hf import export_hf
 
@@ -128,26 +168,51 @@ def write_exports(src: Source, out: Path, args: argparse.Namespace) -> Manifest:
     return manifest
 
 
+def read_texts(path: Path | None) -> list[str]:
+    """--texts: UTF-8 lines, or an error naming the file."""
+    if path is None:
+        return []
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ExportError(f"--texts file not found: {path}") from None
+    except IsADirectoryError:
+        raise ExportError(f"--texts {path}: is a folder, not a text file") from None
+    except UnicodeDecodeError as e:
+        raise ExportError(f"--texts {path}: not UTF-8 text (byte {e.start})") from None
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every option and input file that can be checked without the checkpoint: bad flags fail at once."""
+    from export.parity import parse_thresholds
+
+    if args.new_tokens is not None and args.new_tokens > MAX_NEW_TOKENS:
+        raise ExportError(f"--new-tokens = {args.new_tokens}: at most {MAX_NEW_TOKENS}")
+    parse_thresholds(args.threshold)
+    if args.command in ("gguf", "all"):
+        from export.gguf import canonical_type
+
+        for t in args.type:  # an unknown type fails before the checkpoint is read
+            try:
+                canonical_type(t)
+            except ExportError as e:
+                raise ExportError(f"--type: {e}") from None
+        if args.imatrix is not None:
+            from export.llama_tools import BUILD_HINT, missing_tools
+
+            if args.imatrix != IMATRIX_DEFAULT_TEXT and not args.imatrix.is_file():
+                raise ExportError(f"--imatrix calibration text not found: {args.imatrix}")
+            if missing := missing_tools(("llama-imatrix", "llama-quantize")):
+                raise ExportError(f"--imatrix needs {', '.join(missing)}; {BUILD_HINT}")
+
+
 def run(args: argparse.Namespace) -> int:
     from export.card import write_card
     from export.parity import parse_thresholds, run_parity
 
-    if args.new_tokens is not None and args.new_tokens < 1:
-        raise ValueError("--new-tokens must be >= 1")
-    thresholds = parse_thresholds(args.threshold)  # bad flags fail before any work
-    if args.texts and not args.texts.is_file():
-        raise FileNotFoundError(f"--texts file not found: {args.texts}")
-    extra = args.texts.read_text(encoding="utf-8").splitlines() if args.texts else []
-    if args.command in ("gguf", "all"):
-        from export.gguf import canonical_type
-
-        for t in gguf_types(args):  # an unknown type fails before the checkpoint is read
-            canonical_type(t)
-        if args.imatrix is not None:
-            from export.llama_tools import BUILD_HINT, missing_tools
-
-            if missing := missing_tools(("llama-imatrix", "llama-quantize")):
-                raise ValueError(f"--imatrix needs {', '.join(missing)}; {BUILD_HINT}")
+    check_options(args)
+    thresholds = parse_thresholds(args.threshold)
+    extra = read_texts(args.texts)
     src = load_source(args.path, args.step)
     check_gates(src)
     out = args.out or default_out_dir(src)
@@ -157,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {out} holds exports of {manifest.data['source']['checkpoint']}", file=sys.stderr)
             src = load_source(manifest.data["source"]["checkpoint"])
     else:
-        manifest = write_exports(src, out, args)
+        manifest = write_exports(src, out, check_out(src, out, args), args)
     passed = True
     if args.command == "parity" or not args.no_parity:
         kw = {"n_new": args.new_tokens} if args.new_tokens else {}
@@ -176,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from training.gates import GateError
 
-    args = build_parser().parse_args(argv)
-    return guarded(lambda: run(args), debug=args.debug, errors=(ValueError, OSError, GateError))
+    return run_main(build_parser(), argv, run, errors=(ValueError, OSError, GateError))
 
 
 if __name__ == "__main__":

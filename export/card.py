@@ -1,9 +1,11 @@
-"""The model card: README.md in the export folder (config, size, tokenizer fertility, gates, files,
-parity), rebuilt after every export from what is on disk."""
+"""The model card: README.md in the export folder (config, size, tokenizer fertility, gates, training
+curves, files, parity), rebuilt after every export from what is on disk."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from dataclasses import fields
 from pathlib import Path
 
@@ -52,6 +54,21 @@ def gates_table(src: Source) -> str | None:
     return f"{rep.table()}\n\n{rep.summary()}"
 
 
+def copy_curves(src: Source, out_dir: Path) -> Path | None:
+    """RUN/curves.png copied beside the card (the export folder travels without its run), atomically;
+    None when the run drew none. A copy left by an earlier export of a run that has none is removed,
+    so the card never shows curves of another run."""
+    theirs = src.run_dir / layout.CURVES if src.run_dir else None
+    ours = out_dir / layout.CURVES
+    if theirs is None or not theirs.is_file():
+        ours.unlink(missing_ok=True)
+        return None
+    tmp = ours.with_name(ours.name + ".tmp")
+    shutil.copyfile(theirs, tmp)
+    os.replace(tmp, ours)
+    return ours
+
+
 def render(src: Source, out_dir: Path, manifest: Manifest) -> str:
     cfg = src.config
     total, non_emb = count_params(cfg), count_params(cfg, non_embedding=True)
@@ -81,6 +98,10 @@ def render(src: Source, out_dir: Path, manifest: Manifest) -> str:
     gates = gates_table(src)
     if gates:
         out += ["## Training gates", "", gates, ""]
+    if (out_dir / layout.CURVES).is_file():
+        out += ["## Training curves", "",
+                f"Loss, validation bits per byte, learning rate, gradient norm and throughput over the "
+                f"run, from its `{layout.LOG}`:", "", f"![training curves]({layout.CURVES})", ""]
     out += ["## Files", "", "| file | format | type | size | sha256 |", "|---|---|---|---:|---|"]
     for rel, e in sorted(manifest.files().items()):
         out.append(f"| `{rel}` | {e['format']} | {e['type']} | {human_size(e['size'])} | `{e['sha256'][:16]}…` |")
@@ -116,6 +137,7 @@ def _kept_sections(text: str) -> str:
 def write_card(src: Source, out_dir: Path, manifest: Manifest) -> Path:
     path = out_dir / layout.CARD
     kept = _kept_sections(path.read_text(encoding="utf-8")) if path.is_file() else ""
+    copy_curves(src, out_dir)
     text = render(src, out_dir, manifest)
     path.write_text(text + ("\n" + kept + "\n" if kept else ""), encoding="utf-8")
     return path

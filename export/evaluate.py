@@ -22,8 +22,9 @@ import numpy as np
 
 import serving
 from serving.backend import Backend
+from serving.flags import backend_name
 from serving.torch_backend import TorchBackend
-from training.cli import guarded
+from training.cli import ArgumentParser, run_main
 from training.evaluate import (
     OUTPUT_FILES,
     EvalError,
@@ -38,6 +39,7 @@ from training.evaluate import (
 )
 from training.layout import CARD, EXPORT
 from training.logprobs import log_softmax
+from training.schema import PositiveInt, flag
 
 CARD_MARKER = "eval-export"  # a card section of its own, beside training.evaluate's
 REFERENCE_NAME = "torch (reference)"
@@ -102,12 +104,14 @@ def default_out(files: Sequence[Path]) -> tuple[Path, Path | None]:
 
 def run_cli(args: argparse.Namespace) -> int:
     check_common_args(args)
-    if args.threads is not None and args.threads < 1:
-        raise EvalError(f"--threads must be >= 1, got {args.threads}")
     files = [Path(f) for f in args.files]
     missing = [f for f in files if not f.exists()]
     if missing:
         raise EvalError(f"model file not found: {missing[0]}")
+    if args.reference and not Path(args.reference).exists():
+        raise EvalError(f"--reference not found: {args.reference}")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise EvalError(f"--out {args.out}: exists and is not a folder")
     req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride)
     out_dir, card = default_out(files)
     out_dir = Path(args.out) if args.out else out_dir
@@ -150,24 +154,24 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m export.evaluate", description=(
+    ap = ArgumentParser(prog="python -m export.evaluate", description=(
         "Score exported models (GGUF via llama.cpp, ONNX via onnxruntime) with the same metrics as "
         "training.evaluate; with --reference, deltas against the PyTorch checkpoint."))
     ap.add_argument("files", nargs="+", metavar="FILE", help=".gguf / .onnx files (or folders serving.load accepts)")
     ap.add_argument("--reference", default=None, metavar="RUN_OR_CHECKPOINT",
                     help="also score this PyTorch checkpoint and report each file's delta against it")
-    ap.add_argument("--backend", default=None, choices=sorted(serving.ALIASES), metavar="BACKEND",
+    ap.add_argument("--backend", default=None, type=backend_name, metavar="BACKEND",
                     help=f"force a serving backend: {', '.join(serving.RUNTIMES)} (default: from the file)")
-    ap.add_argument("--n-ctx", type=int, default=None, help="scoring context (default: the model's trained context)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--n-ctx", type=flag(PositiveInt), default=None,
+                    help="scoring context (default: the model's trained context)")
+    ap.add_argument("--threads", type=flag(PositiveInt), default=None,
                     help="CPU threads per backend (1 is fastest on a busy machine: llama.cpp threads spin)")
     add_common_args(ap)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return guarded(lambda: run_cli(args), debug=args.debug)  # EvalError, ServingError, ... are ValueErrors
+    return run_main(build_parser(), argv, run_cli)  # EvalError, ServingError, ... are ValueErrors
 
 
 if __name__ == "__main__":

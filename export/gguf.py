@@ -27,6 +27,7 @@ from export.manifest import Manifest, Source
 from export.names import lookup, permute_heads, permute_rope, to_gguf
 from training import layout
 from training.chat import CHAT_TEMPLATE
+from training.schema import suggest
 
 ARCH = "llama"
 DIRECT_TYPES = ("F32", "F16")  # written here; everything else goes through llama.cpp's quantizer
@@ -61,11 +62,11 @@ def file_types() -> dict[str, int]:
 
 
 def canonical_type(name: str) -> str:
-    """'q4' -> 'Q4_K_M', 'q8_0' -> 'Q8_0'; unknown names raise ExportError listing the choices."""
+    """'q4' -> 'Q4_K_M', 'q8_0' -> 'Q8_0'; an unknown name raises ExportError with the nearest one."""
     key = SHORTCUTS.get(name.lower(), name.upper())
     types = file_types()
     if key not in types:
-        raise ExportError(f"unknown GGUF type {name!r}; choose one of {', '.join(sorted(types))}")
+        raise ExportError(f"unknown GGUF type {name!r}{suggest(key, types)}; choose from {', '.join(sorted(types))}")
     return key
 
 

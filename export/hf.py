@@ -1,12 +1,15 @@
 """Hugging Face export: the LlamaForCausalLM layout that transformers loads offline.
 
-    hf/config.json  model.safetensors  generation_config.json  tokenizer.model  tokenizer_config.json
-    special_tokens_map.json
+    hf/config.json  model.safetensors  generation_config.json  tokenizer.json  tokenizer.model
+    tokenizer_config.json  special_tokens_map.json
 
 Weights keep our rotate-half RoPE layout (the same as HF's), renamed through export.names, in fp32;
-with tied embeddings lm_head.weight is not stored (tie_word_embeddings=true). The tokenizer is our
-SentencePiece model with `legacy: false` and `add_prefix_space: false`: transformers (5.x) then builds
-a tokenizer that gives the same ids as training.tokenizer (checked by export.parity).
+with tied embeddings lm_head.weight is not stored (tie_word_embeddings=true). The tokenizer is
+tokenizer.json (export.hf_tokenizer): our SentencePiece model *and* training.text.normalize as one
+`tokenizers` pipeline, so AutoTokenizer gives training's ids on raw text (both nukta spellings, CRLF,
+a BOM) with no prodip code. tokenizer_config.json names PreTrainedTokenizerFast, which loads that file
+as it is (transformers 5's LlamaTokenizer would rebuild the pipeline without our normalizer).
+tokenizer.model stays for SentencePiece-based tools (llama.cpp's convert_hf_to_gguf.py).
 """
 
 from __future__ import annotations
@@ -17,19 +20,25 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from export import ExportError
+from export.hf_tokenizer import TOKENIZER_JSON, write_tokenizer_json
 from export.manifest import Manifest, Source
 from export.names import to_hf
 from serving.backend import SamplingParams
 from training import layout
 from training.chat import CHAT_TEMPLATE
-from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK
+from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK, Tokenizer
 
 # Hugging Face's own file names inside RUN/export/hf (transformers looks for exactly these; they
 # only happen to share spellings with a prodip checkpoint's files)
 CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE = "config.json", "model.safetensors", "generation_config.json"
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE = (
     "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
-FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE)
+FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, TOKENIZER_JSON, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE,
+         SPECIAL_TOKENS_FILE)
+# The class transformers builds from tokenizer_config.json: the fast tokenizer exactly as tokenizer.json
+# says (the HF export), or LlamaTokenizer, converted from tokenizer.model alone (folders without
+# tokenizer.json: transformers' conversion applies no normalizer, so text must be NFC already).
+FAST_CLASS, SPM_CLASS = "PreTrainedTokenizerFast", "LlamaTokenizer"
 
 
 def hf_config(src: Source) -> dict:
@@ -80,12 +89,20 @@ def generation_config(src: Source) -> dict:
     }
 
 
-def tokenizer_config(src: Source) -> dict:
-    return {
-        "tokenizer_class": "LlamaTokenizer",
+def tokenizer_config(src: Source, tokenizer_class: str = SPM_CLASS) -> dict:
+    return tokenizer_config_for(src.config.max_seq_len, tokenizer_class)
+
+
+def tokenizer_config_for(max_seq_len: int, tokenizer_class: str = SPM_CLASS) -> dict:
+    spm_only = {
         # legacy=False + add_prefix_space=False: no dummy "▁" before the text, as trained
         "legacy": False,
         "add_prefix_space": False,
+        "sp_model_kwargs": {},
+    }
+    return {
+        "tokenizer_class": tokenizer_class,
+        **(spm_only if tokenizer_class == SPM_CLASS else {}),
         "add_bos_token": True,
         "add_eos_token": False,
         "bos_token": BOS,
@@ -95,9 +112,8 @@ def tokenizer_config(src: Source) -> dict:
         "additional_special_tokens": list(CHAT_SPECIALS),
         "clean_up_tokenization_spaces": False,
         "spaces_between_special_tokens": False,
-        "model_max_length": src.config.max_seq_len,
+        "model_max_length": max_seq_len,
         "chat_template": CHAT_TEMPLATE,
-        "sp_model_kwargs": {},
     }
 
 
@@ -108,6 +124,15 @@ def special_tokens_map() -> dict:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_tokenizer(tok: Tokenizer, d: Path, max_seq_len: int) -> list[Path]:
+    """The tokenizer files of an HF folder: what AutoTokenizer.from_pretrained(d) reads."""
+    _write_json(d / TOKENIZER_CONFIG_FILE, tokenizer_config_for(max_seq_len, FAST_CLASS))
+    _write_json(d / SPECIAL_TOKENS_FILE, special_tokens_map())
+    tok.save(d / TOKENIZER_FILE)
+    return [write_tokenizer_json(tok, d / TOKENIZER_JSON), d / TOKENIZER_FILE, d / TOKENIZER_CONFIG_FILE,
+            d / SPECIAL_TOKENS_FILE]
 
 
 def export_hf(src: Source, out_dir: Path, manifest: Manifest, *, force: bool = False) -> list[Path]:
@@ -124,9 +149,7 @@ def export_hf(src: Source, out_dir: Path, manifest: Manifest, *, force: bool = F
     tmp.replace(d / WEIGHTS_FILE)
     _write_json(d / CONFIG_FILE, hf_config(src))
     _write_json(d / GENERATION_FILE, generation_config(src))
-    _write_json(d / TOKENIZER_CONFIG_FILE, tokenizer_config(src))
-    _write_json(d / SPECIAL_TOKENS_FILE, special_tokens_map())
-    src.tokenizer.save(d / TOKENIZER_FILE)
+    write_tokenizer(src.tokenizer, d, src.config.max_seq_len)
     paths = [d / f for f in FILES]
     for p in paths:
         manifest.add(p, "hf", "F32" if p.name == WEIGHTS_FILE else p.suffix.lstrip("."))

@@ -127,6 +127,8 @@ def compute_imatrix(model: Path, text: Path, out: Path, *, chunk_tokens: int = D
     _check_model(model)
     if out.exists() and not force:
         raise ExportError(f"{out} exists; use --force to overwrite")
+    if not text.is_file():  # before the output folder is made: a failed run creates nothing
+        raise ExportError(f"calibration text not found: {text}")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".imatrix-") as td:
         calib = _normalized_copy(text, Path(td))
@@ -209,33 +211,45 @@ def export_gguf_imatrix(src, out_dir: Path, types: list[str], manifest, *, text:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
     """python -m export.imatrix compute MODEL.gguf --out FILE [--text TEXT]
     python -m export.imatrix quantize SRC.gguf DST.gguf --type Q4_K_M --imatrix FILE"""
     import argparse
 
-    from training.cli import guarded
+    from training.cli import ArgumentParser
+    from training.schema import PositiveInt, SchemaError, flag, one_of
 
-    ap = argparse.ArgumentParser(prog="python -m export.imatrix", description=main.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    def imatrix_type(text: str) -> str:
+        try:
+            return one_of("imatrix GGUF type", text.upper(), IMATRIX_TYPES)
+        except SchemaError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    ap = ArgumentParser(prog="python -m export.imatrix", description=build_parser.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compute", help="llama-imatrix over calibration text")
     c.add_argument("model", type=Path)
     c.add_argument("--text", type=Path, default=DEFAULT_CALIBRATION, help="calibration text (default: the shipped Bangla)")
     c.add_argument("--out", type=Path, required=True)
-    c.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk")
+    c.add_argument("--chunk", type=flag(PositiveInt), default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk")
     q = sub.add_parser("quantize", help="llama-quantize --imatrix")
     q.add_argument("src", type=Path)
     q.add_argument("dst", type=Path)
-    q.add_argument("--type", default="Q4_K_M", choices=IMATRIX_TYPES)
+    q.add_argument("--type", default="Q4_K_M", type=imatrix_type, metavar="TYPE",
+                   help=f"one of {', '.join(IMATRIX_TYPES)}")
     q.add_argument("--imatrix", type=Path, required=True)
     for p in (c, q):
-        p.add_argument("--threads", type=int, default=None)
+        p.add_argument("--threads", type=flag(PositiveInt), default=None)
         p.add_argument("--force", action="store_true", help="overwrite the output")
     ap.add_argument("--debug", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
 
-    def run() -> None:
+
+def main(argv: list[str] | None = None) -> int:
+    from training.cli import run_main
+
+    def run(args) -> None:
         if args.command == "compute":
             out = compute_imatrix(args.model, args.text, args.out, chunk_tokens=args.chunk, threads=args.threads,
                                   force=args.force)
@@ -245,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                         force=args.force)
             print(f"wrote {out}")
 
-    return guarded(run, debug=args.debug)
+    return run_main(build_parser(), argv, run)
 
 
 if __name__ == "__main__":

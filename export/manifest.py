@@ -121,6 +121,16 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
+MANIFEST_KEYS = {"source": dict, "files": dict}
+
+
+def read_manifest(path: Path) -> dict:
+    """manifest.json through the one guarded reader: its keys and types checked, the file named when wrong."""
+    data = layout.read_json(path, "export manifest", required=MANIFEST_KEYS)
+    layout.check_schema(data["source"], str(path), "export manifest's source", required={"checkpoint": str})
+    return data
+
+
 class Manifest:
     def __init__(self, out_dir: Path, data: dict):
         self.out_dir = out_dir
@@ -139,11 +149,13 @@ class Manifest:
             "config": src.config.to_dict(),
             "files": {},
         }
-        if path.is_file():
+        if path.exists():
             try:
-                old = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ExportError(f"{path}: unreadable manifest ({e}); remove it or use --force") from None
+                old = read_manifest(path)
+            except layout.LayoutError as e:
+                if not force:
+                    raise ExportError(f"{e}; remove it or use --force") from None
+                old = {}
             same = (old.get("source", {}).get("checkpoint") == fresh["source"]["checkpoint"]
                     and old.get("source", {}).get("step") == src.step
                     and old.get("tokenizer_sha256") == src.tokenizer.sha256)
@@ -161,7 +173,7 @@ class Manifest:
         path = out_dir / layout.MANIFEST
         if not path.is_file():
             raise ExportError(f"{out_dir} holds no {layout.MANIFEST}; export something first")
-        return cls(out_dir, layout.read_json(path, "export manifest"))
+        return cls(out_dir, read_manifest(path))
 
     def add(self, path: Path, fmt: str, type_: str, **extra: object) -> dict:
         entry = {"format": fmt, "type": type_, "size": path.stat().st_size, "sha256": sha256_file(path), **extra}

@@ -211,7 +211,8 @@ def quantize_int4(model, dst: Path, external: bool) -> None:
         q.model.save_model_to_file(str(dst), use_external_data_format=external)
 
 
-def _outputs(out_dir: Path, int8: bool, int4: bool) -> list[Path]:
+def planned_outputs(out_dir: Path, int8: bool, int4: bool) -> list[Path]:
+    """The files an export with these variants writes (python -m export checks them all before writing)."""
     names = [VARIANT_FILES["fp32"]] + ([VARIANT_FILES["int8"]] if int8 else []) + (
         [VARIANT_FILES["int4"]] if int4 else []) + [TOKENIZER_FILE, CONFIG_FILE]
     return [out_dir / n for n in names]
@@ -226,12 +227,12 @@ def export_model(model: Transformer, tokenizer: Tokenizer, out_dir: Path, *, int
     import onnx
 
     out_dir = Path(out_dir)
-    targets = _outputs(out_dir, int8, int4)
+    targets = planned_outputs(out_dir, int8, int4)
     if any(p.exists() for p in targets) and not force:
         raise OnnxExportError(f"{next(p for p in targets if p.exists())} already exists; pass --force to overwrite")
     # with force, every file of an earlier export goes (config first: it marks a complete export, and
     # a stale int8 file must not be served beside a new fp32 one)
-    existing = [p for p in [out_dir / CONFIG_FILE, *_outputs(out_dir, True, True)] if p.exists()] + sorted(
+    existing = [p for p in [out_dir / CONFIG_FILE, *planned_outputs(out_dir, True, True)] if p.exists()] + sorted(
         p for name in VARIANT_FILES.values() for p in out_dir.glob(name + "*" + EXTERNAL_DATA_SUFFIX))
     cfg = model.cfg
     if tokenizer.vocab_size != cfg.vocab_size:
@@ -306,7 +307,7 @@ def _ort_version() -> str:
 def export_onnx(source, out_dir: Path, *, int8: bool = False, int4: bool = False, force: bool = False,
                 opset: int | None = None) -> list[Path]:
     """Export the checkpoint at `source` (a RUN_DIR or checkpoint folder) into `out_dir`."""
-    existing = [p for p in _outputs(Path(out_dir), int8, int4) if p.exists()]
+    existing = [p for p in planned_outputs(Path(out_dir), int8, int4) if p.exists()]
     if existing and not force:  # before loading anything: refusing should be instant
         raise OnnxExportError(f"{existing[0]} already exists; pass --force to overwrite")
     model, ck = load_model(source)

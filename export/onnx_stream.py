@@ -364,23 +364,28 @@ def onnx_config(src, *, opset: int, checks: dict, timings: dict, external_bytes:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """python -m export.onnx_stream RUN_DIR|CHECKPOINT_DIR [--out DIR] [--step N] [--force] [--no-check]"""
-    import argparse
+def build_parser():
+    from training.cli import ArgumentParser
+    from training.schema import NonNegInt, flag
 
-    from export.manifest import default_out_dir, load_source
-    from training.cli import guarded
-
-    ap = argparse.ArgumentParser(prog="python -m export.onnx_stream", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m export.onnx_stream", description=__doc__.split("\n\n")[0])
     ap.add_argument("path", type=Path)
     ap.add_argument("--out", type=Path, help="ONNX folder (default RUN_DIR/export/onnx)")
-    ap.add_argument("--step", type=int)
+    ap.add_argument("--step", type=flag(NonNegInt))
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--no-check", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
     ap.add_argument("--debug", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
 
-    def run() -> None:
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m export.onnx_stream RUN_DIR|CHECKPOINT_DIR [--out DIR] [--step N] [--force] [--no-check]"""
+    from export.manifest import default_out_dir, load_source
+    from training.cli import run_main
+
+    def run(args) -> None:
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            raise OnnxExportError(f"--out {args.out}: exists and is not a folder")
         src = load_source(args.path, args.step)
         out = args.out or default_out_dir(src) / layout.ONNX_DIR
         t0 = time.perf_counter()
@@ -388,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB)")
         print(f"  in {time.perf_counter() - t0:.1f} s")
 
-    return guarded(run, debug=args.debug)
+    return run_main(build_parser(), argv, run)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from training.chat import render
 from training.layout import HF_DIR, MODEL_WEIGHTS, PARITY_JSON, PARITY_MD, TOKENIZER
 from training.logprobs import kl_rows
 from training.model import Transformer
+from training.schema import NonNegFloat, Probability, SchemaError, one_of, parse
 from training.text import normalize
 from training.tokenizer import BOS, Tokenizer
 
@@ -70,6 +71,7 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
 }
 FP32_KINDS = {"safetensors", "transformers", "onnx-fp32", "llama.cpp-F32"}
 LOWER_BOUNDS = {"top1"}
+METRICS = {"max_abs": NonNegFloat, "kl": NonNegFloat, "top1": Probability}  # a threshold metric -> its values
 
 # The prompt set. Precomposed and decomposed nukta letters are spelled with escapes on purpose.
 PRECOMPOSED = "প\u09dcা আষা\u09dd সম\u09df বড\u09bc"  # U+09DC/09DD/09DF (+ one already decomposed)
@@ -305,18 +307,34 @@ class ParityReport:
         return f"{head}\n\n{self.table()}\n\n{verdict}\n"
 
 
+def threshold_kinds() -> list[str]:
+    """Every kind a threshold may name: the fixed ones and llama.cpp-<TYPE> for each llama.cpp file type."""
+    from export.gguf import file_types
+    from serving.onnxrt import VARIANT_FILES
+
+    return sorted({*DEFAULT_THRESHOLDS, "safetensors", "transformers", *(f"onnx-{v}" for v in VARIANT_FILES),
+                   *(f"llama.cpp-{t}" for t in file_types())})
+
+
 def parse_thresholds(items: Iterable[str]) -> dict[str, dict[str, float]]:
-    """DEFAULT_THRESHOLDS with `kind.metric=value` overrides (e.g. llama.cpp-Q4_K_M.kl=0.08)."""
+    """DEFAULT_THRESHOLDS with `kind.metric=value` overrides (e.g. llama.cpp-Q4_K_M.kl=0.08); an unknown
+    kind or metric is refused with the nearest name, never silently kept as a threshold nothing reads."""
     out = {k: dict(v) for k, v in DEFAULT_THRESHOLDS.items()}
+    kinds: list[str] | None = None
     for item in items:
-        key, _, value = item.partition("=")
+        key, eq, value = item.partition("=")
         kind, _, metric = key.rpartition(".")
-        if not kind or metric not in ("max_abs", "kl", "top1") or not value:
-            raise ParityError(f"bad threshold {item!r}; use KIND.METRIC=VALUE with METRIC max_abs, kl or top1")
+        if not eq or not kind or not metric or not value:
+            raise ParityError(f"--threshold: bad threshold {item!r}; use KIND.METRIC=VALUE, e.g. "
+                              "llama.cpp-Q4_K_M.kl=0.08")
+        kinds = kinds or threshold_kinds()
         try:
-            out.setdefault(kind, {})[metric] = float(value)
-        except ValueError:
-            raise ParityError(f"bad threshold value in {item!r}") from None
+            one_of("threshold kind", kind, kinds)
+            one_of("threshold metric", metric, METRICS)
+            limit = parse(METRICS[metric], value, key)
+        except SchemaError as e:
+            raise ParityError(f"--threshold: bad threshold {item!r}: {e}") from None
+        out.setdefault(kind, {})[metric] = limit
     return out
 
 

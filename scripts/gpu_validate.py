@@ -1,31 +1,40 @@
 """One-command GPU validation (about 5 minutes, at most 8, on one H100/H200):
 
     python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 8] [--steps 40]
-                                   [--hourly-usd 3.0] [--data DATA_DIR] [--skip-1b]
+                                   [--hourly-usd 3.0] [--data DATA_DIR] [--skip-1b] [--out DIR]
 
-1. data: prepares a folder from the shipped corpus (tokenizer + shards). The corpus is small, so the
+Phases, each written to DIR/gpu_validate.json and DIR/gpu_validate.md as it starts and ends (a run
+stopped by a time limit keeps every finished phase and names the one it was in):
+
+1. environment: GPU name, its dense bf16 peak (training.metrics.PEAK_BF16_FLOPS), torch, CUDA.
+2. sdpa: which scaled-dot-product-attention kernel (cuDNN / flash / memory-efficient / math) one
+   training step of the preset's block runs, read from the profiler's op names.
+3. data: prepares a folder from the shipped corpus (tokenizer + shards). The corpus is small, so the
    train split is tiled (each copy shifted by a token, so no window repeats) until the timed run
    never wraps around; --data uses a folder you prepared instead (e.g. your real 32k-vocab data).
-2. runs `training/train.py` on CUDA with the pre-flight gates ON (gradient flow, compiled vs eager,
+4. train: `training/train.py` on CUDA with the pre-flight gates ON (gradient flow, compiled vs eager,
    overfit one batch, throughput with its MFU floor and backward/forward ratio, data, tokenizer),
-   then a short run of the preset with bf16 autocast, torch.compile, fused AdamW and SDPA (flash).
-3. prints tokens/s, MFU, peak memory (measured, and the estimate of docs/scale.md), the
-   backward/forward ratio, and the projected time and cost of 2 B tokens; writes them to
-   OUT/run-*/gpu_validate.json and .md.
-4. unless --skip-1b: a memory probe of the 1b preset (eager, 3 optimizer steps at seq 2048: micro-batch
+   then a short run of the preset with bf16 autocast, torch.compile, fused AdamW and SDPA.
+5. measure: tokens/s, MFU both ways, peak memory (measured, and the estimate of docs/scale.md), the
+   backward/forward ratio, and the projected time and cost of 2 B tokens.
+6. eager: the same model and micro-batch without torch.compile (a few steps in this process):
+   eager tokens/s and MFU, and the compiled run's speed-up over it.
+7. unless --skip-1b: a memory probe of the 1b preset (eager, 3 optimizer steps at seq 2048: micro-batch
    4 without, and 16 with activation checkpointing), to check it fits an 80 GB GPU.
 
-MFU = tokens/s x FLOPs/token / peak dense bf16 FLOP/s of the GPU (training.metrics.PEAK_BF16_FLOPS),
-FLOPs/token = 6 N + 6 n_layers seq_len d_attn (training.model.flops_per_token; N counts the
-non-embedding parameters plus the output head's matmul). The shipped corpus supports a smaller
-vocabulary than the preset's 32768, so the timed model is the preset's shape with that vocabulary:
-MFU is computed for the model that actually ran, and the 2 B-token projection for the full preset
-assumes the same MFU (time scales with FLOPs/token).
+MFU = tokens/s x FLOPs/token / peak dense bf16 FLOP/s of the GPU, in two conventions (training.metrics):
+`mfu` with FLOPs/token = 6 N' + 12 n_layers seq_len d_attn (PaLM, nanoGPT, torchtitan; the target's),
+`mfu_6ltd` with 6 n_layers seq_len d_attn (Kaplan, llm.c); N' counts the non-embedding parameters
+plus the output head's matmul, once. The shipped corpus supports a smaller vocabulary than the
+preset's 32768, so the timed model is the preset's shape with that vocabulary: MFU is computed for the
+model that actually ran, and the 2 B-token projection for the full preset assumes the same MFU (time
+scales with FLOPs/token).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -44,6 +53,8 @@ REFERENCE_TOKENS_PER_S = 10_000
 HOURLY_USD = 3.0  # the reference run's price: $164 / 54.6 h
 GPU_MEMORY_TARGET_GB = 80.0  # the presets must fit an 80 GB H100/A100
 TRAIN_TIMEOUT_S = 420  # the train.py phase; with data prep and the 1b probe the script stays < 8 min
+RESULTS_JSON, RESULTS_MD = "gpu_validate.json", "gpu_validate.md"  # in --out
+EAGER_STEPS, EAGER_WARMUP = 5, 2  # the eager baseline: timed steps after warm-up steps
 PAD_FACTOR = 2  # tile the train split to this many times the tokens the timed run reads
 BOS_ID = 1
 
@@ -129,6 +140,44 @@ def run_train(cmd: list[str], timeout_s: int) -> int:
         return 124
 
 
+def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: str,
+                steps: int = EAGER_STEPS, warmup: int = EAGER_WARMUP) -> dict:
+    """Tokens/s and MFU of the timed run's model, eager (no torch.compile), same micro-batch, bf16
+    autocast and fused AdamW on CUDA: the baseline the compiled run's speed-up is measured against."""
+    import torch
+
+    from training.metrics import mfu_flops, peak_flops
+    from training.model import ModelConfig, Transformer, preset
+
+    run_cfg = layout.read_run_config(run) if run.is_dir() else None
+    cfg = ModelConfig.from_dict(run_cfg["model"]) if run_cfg else preset(preset_name)
+    dev = torch.device(device)
+    model = Transformer(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=dev)
+
+    t0 = time.perf_counter()
+    for i in range(warmup + steps):
+        if i == warmup:  # the clock starts after the warm-up steps (allocator, cuBLAS heuristics)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    tps = steps * batch * seq_len / (time.perf_counter() - t0)
+    peak, _ = peak_flops(dev)
+    del model, opt
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"eager_tokens_per_s": round(tps),
+            **{f"eager_{k}": round(tps * f / peak, 4) if peak else None for k, f in mfu_flops(cfg, seq_len).items()}}
+
+
 def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: bool, steps: int = 3) -> dict:
     """Peak GPU memory of `steps` eager optimizer steps (fused AdamW, bf16 autocast) of a preset."""
     import torch
@@ -169,35 +218,149 @@ def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from training.model import PRESETS
+    from training.schema import NonNegFloat, PositiveInt, flag
+
     ap = argparse.ArgumentParser(prog="python scripts/gpu_validate.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="400m")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch-size", type=int, default=8, help="micro-batch (8 x 2048 fits 80 GB for 400m)")
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--hourly-usd", type=float, default=HOURLY_USD, help="GPU price per hour (default: the reference's)")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/prodip-gpu-validate"))
+    ap.add_argument("--preset", default="400m", choices=list(PRESETS))
+    ap.add_argument("--seq-len", type=flag(PositiveInt), default=2048)
+    ap.add_argument("--batch-size", type=flag(PositiveInt), default=8,
+                    help="micro-batch (8 x 2048 fits 80 GB for 400m)")
+    ap.add_argument("--grad-accum", type=flag(PositiveInt), default=1)
+    ap.add_argument("--steps", type=flag(PositiveInt), default=40)
+    ap.add_argument("--hourly-usd", type=flag(NonNegFloat), default=HOURLY_USD,
+                    help="GPU price per hour (default: the reference's)")
+    ap.add_argument("--out", type=Path, default=Path("/tmp/prodip-gpu-validate"),
+                    help=f"results folder: {RESULTS_JSON} and {RESULTS_MD}, rewritten after every phase (so a "
+                         "run stopped by a time limit keeps what finished), and the run folder")
     ap.add_argument("--data", type=Path, default=None, help="a prepared data folder to use instead of the corpus")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--skip-1b", action="store_true", help="skip the 1b memory probe")
-    ap.add_argument("--train-timeout-s", type=int, default=TRAIN_TIMEOUT_S)
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's own logic (tiny presets)")
+    ap.add_argument("--train-timeout-s", type=flag(PositiveInt), default=TRAIN_TIMEOUT_S)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a dry run of this script's own logic (tiny presets)")
     return ap
+
+
+class Results:
+    """OUT/gpu_validate.json and .md, rewritten (atomically) at the start and end of every phase:
+    a run killed by a time limit leaves every finished phase's figures and names the one it was in."""
+
+    def __init__(self, out: Path, argv: dict):
+        self.out = out
+        self.data: dict = {"complete": False, "args": argv, "phases": [], "results": {}}
+
+    @property
+    def results(self) -> dict:
+        return self.data["results"]
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        entry = {"name": name, "status": "running"}
+        self.data["phases"].append(entry)
+        self.save()
+        t0 = time.time()
+        try:
+            yield self.results
+            entry["status"] = "ok"
+        except BaseException as e:  # recorded, then re-raised: KeyboardInterrupt and SystemExit included
+            entry["status"] = "failed"
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            raise
+        finally:
+            entry["wall_s"] = round(time.time() - t0, 1)
+            self.save()
+
+    def finish(self) -> None:
+        self.data["complete"] = True
+        self.save()
+
+    def markdown(self) -> str:
+        md = ["# GPU validation" + ("" if self.data["complete"] else " (incomplete)"), "",
+              "| phase | status | wall s |", "|---|---|---:|"]
+        md += [f"| {p['name']} | {p['status']}{': ' + p['error'] if 'error' in p else ''} | {p.get('wall_s', '')} |"
+               for p in self.data["phases"]]
+        md += ["", "| metric | value |", "|---|---|"]
+        md += [f"| {k} | {json.dumps(v) if isinstance(v, (list, dict)) else v} |" for k, v in self.results.items()]
+        return "\n".join(md) + "\n"
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, text in ((RESULTS_JSON, json.dumps(self.data, indent=2)), (RESULTS_MD, self.markdown())):
+            tmp = self.out / (name + ".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, self.out / name)
+
+
+def check_out(out: Path) -> None:
+    """--out must be a folder we may write: fail before any phase (and any GPU minute) if not."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    if not out.exists() and out.parent.exists() and not os.access(out.parent, os.W_OK):
+        raise ValueError(f"--out {out}: cannot create it (no write permission in {out.parent})")
+
+
+SDPA_OPS = (  # aten op (what dispatch chose) -> kernel family, most specific first
+    ("cudnn_attention", "cuDNN"), ("flash_attention_for_cpu", "flash (CPU)"), ("flash_attention", "flash"),
+    ("efficient_attention", "memory-efficient"), ("attention_math", "math"),
+)
+
+
+def sdpa_kernels(preset_name: str, seq_len: int, device: str) -> dict:
+    """The SDPA kernel one training step (forward + backward, bf16 autocast) of one block of the
+    preset's shape runs, read from the profiler's aten op names: what dispatch picked, not a guess.
+    {"sdpa_kernel": family of the forward op(s), "sdpa_ops": every SDPA op name seen}."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from training.model import Transformer, preset
+
+    cfg = preset(preset_name, n_layers=1)
+    dev = torch.device(device)
+    model = Transformer(cfg).to(dev)
+    x = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), device=dev)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+    ops = sorted({e.key for e in prof.key_averages() if "scaled_dot_product" in e.key})
+    forward = {next(family for op, family in SDPA_OPS if op in name)
+               for name in ops if not name.endswith("_backward") and any(op in name for op, _ in SDPA_OPS)}
+    return {"sdpa_kernel": " + ".join(sorted(forward)) or None, "sdpa_ops": ops}
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    try:
+        check_out(a.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import torch
 
     if a.device == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device; this script validates the GPU path", file=sys.stderr)
+        print("error: no CUDA device; this script validates the GPU path (--device cpu: a dry run)", file=sys.stderr)
         return 2
+    rep = Results(a.out, {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()})
+    try:
+        return run_phases(a, rep)
+    except Exception as e:  # recorded in the results by its phase; one line here
+        print(f"error: {rep.data['phases'][-1]['name']} phase failed: {type(e).__name__}: {e}; "
+              f"what finished is in {a.out / RESULTS_JSON}", file=sys.stderr)
+        return 1
+
+
+def run_phases(a: argparse.Namespace, rep: Results) -> int:
     t_start = time.time()
-    a.out.mkdir(parents=True, exist_ok=True)
-    need = a.steps * a.batch_size * a.grad_accum * (a.seq_len + 1) * PAD_FACTOR
-    data = a.data or prepare_data(a.out, need)
+    with rep.phase("environment") as res:
+        res.update(environment(a.device))
+    with rep.phase("sdpa") as res:
+        res.update(sdpa_kernels(a.preset, a.seq_len, a.device))
+    with rep.phase("data"):
+        need = a.steps * a.batch_size * a.grad_accum * (a.seq_len + 1) * PAD_FACTOR
+        data = a.data or prepare_data(a.out, need)
     run = a.out / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = [sys.executable, str(ROOT / "training/train.py"), "--preset", a.preset, "--data", str(data), "--out", str(run),
            "--max-steps", str(a.steps), "--batch-size", str(a.batch_size), "--grad-accum", str(a.grad_accum),
@@ -206,28 +369,49 @@ def main(argv: list[str] | None = None) -> int:
     cmd += [] if a.no_compile else ["--compile"]
     cmd += ["--activation-checkpointing"] if a.activation_checkpointing else []
     print("$ " + " ".join(cmd), flush=True)
-    t0 = time.time()
-    rc = run_train(cmd, a.train_timeout_s)
-    wall = time.time() - t0
-    res = measure(a, run, rc, wall)
-    res["script_wall_s"] = round(time.time() - t_start, 1)
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "gpu_validate.json").write_text(json.dumps(res, indent=2))
-    md = ["| metric | value |", "|---|---|"] + [f"| {k} | {json.dumps(v) if isinstance(v, (list, dict)) else v} |"
-                                                for k, v in res.items()]
-    (run / "gpu_validate.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    print(f"\nwritten: {run / 'gpu_validate.json'}")
+    with rep.phase("train") as res:
+        t0 = time.time()
+        rc = run_train(cmd, a.train_timeout_s)
+        res.update({"run_dir": str(run), "train_exit_code": rc, "train_wall_s": round(time.time() - t0, 1)})
+    if rc:
+        rep.data["phases"][-1]["status"] = "timed out" if rc == 124 else f"exit code {rc}"
+        rep.save()
+    with rep.phase("measure") as res:
+        res.update(measure(a, run))
+    with rep.phase("eager") as res:
+        res.update(eager_probe(run, a.preset, a.seq_len, a.batch_size, a.device))
+        if res.get("tokens_per_s") and not a.no_compile:
+            res["compile_speedup"] = round(res["tokens_per_s"] / res["eager_tokens_per_s"], 2)
+    if not a.skip_1b and a.device == "cuda":
+        probes = [(4, False), (16, True)]
+        res = rep.results.setdefault("memory_1b", [])
+        for batch, ac in probes:
+            with rep.phase(f"memory_1b_b{batch}{'_ac' if ac else ''}"):
+                res.append(memory_probe("1b", a.seq_len, batch, ac))
+    rep.results["script_wall_s"] = round(time.time() - t_start, 1)
+    rep.finish()
+    print(rep.markdown())
+    print(f"written: {a.out / RESULTS_JSON} and {a.out / RESULTS_MD}")
     return rc
 
 
-def measure(a: argparse.Namespace, run: Path, rc: int, wall: float) -> dict:
+def environment(device: str) -> dict:
+    import torch
+
+    from training.metrics import peak_flops
+
+    peak, gpu = peak_flops(torch.device(device))
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "peak_flops": peak, "torch": torch.__version__,
+            "cuda": torch.version.cuda}
+
+
+def measure(a: argparse.Namespace, run: Path) -> dict:
     """The figures of the timed run (its log, gates and config) and the projections from them."""
     import numpy as np
     import torch
 
-    from training.metrics import peak_flops
-    from training.model import ModelConfig, count_params, flops_per_token, preset
+    from training.metrics import mfu_flops, peak_flops
+    from training.model import ModelConfig, count_params, preset
 
     log = run / layout.LOG
     recs = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
@@ -238,27 +422,27 @@ def measure(a: argparse.Namespace, run: Path, rc: int, wall: float) -> dict:
     steady = timed[len(timed) // 2:]  # the second half: past compilation, allocator warm-up
     tps = float(np.median([r["tokens_per_s"] for r in steady])) if steady else float("nan")
 
-    run_cfg = layout.read_run_config(run)
+    run_cfg = layout.read_run_config(run) if run.is_dir() else None
     ran = ModelConfig.from_dict(run_cfg["model"]) if run_cfg else preset(a.preset)
     full = preset(a.preset)
-    peak, gpu = peak_flops(torch.device(a.device))
-    fpt, fpt_full = flops_per_token(ran, a.seq_len), flops_per_token(full, a.seq_len)
-    mfu = tps * fpt / peak if peak and tps == tps else None
-    tps_full = tps * fpt / fpt_full  # the full preset (vocab 32768) at the same MFU
+    peak, _ = peak_flops(torch.device(a.device))
+    flops, flops_full = mfu_flops(ran, a.seq_len), mfu_flops(full, a.seq_len)
+    measured = tps == tps
+    mfu = {k: round(tps * f / peak, 4) if peak and measured else None for k, f in flops.items()}
+    tps_full = tps * flops["mfu"] / flops_full["mfu"]  # the full preset (vocab 32768) at the same MFU
     hours = PROJECT_TOKENS / tps_full / 3600 if tps_full > 0 else float("nan")
     measured_mem = max((r["peak_mem_gb"] for r in recs if "peak_mem_gb" in r), default=None)  # CUDA only
-    res = {
-        "date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+    return {k: None if isinstance(v, float) and v != v else v for k, v in {  # NaN is not JSON
         "preset": a.preset, "vocab_size_ran": ran.vocab_size, "params_ran": count_params(ran),
         "params_preset": count_params(full), "seq_len": a.seq_len, "micro_batch": a.batch_size,
         "grad_accum": a.grad_accum, "compile": not a.no_compile, "activation_checkpointing": a.activation_checkpointing,
-        "train_exit_code": rc, "train_wall_s": round(wall, 1), "steps_logged": len(recs),
-        "gates_passed": gates.get("passed"), "gates_failed": gates.get("failed"),
-        "tokens_per_s": round(tps) if tps == tps else None,
-        "flops_per_token": fpt, "peak_flops": peak,
-        "mfu": round(mfu, 4) if mfu is not None else None,
-        "mfu_formula": "tokens/s x (6 N + 6 n_layers seq_len d_attn) / peak dense bf16 FLOP/s; N = non-embedding "
-                       "params + output head",
+        "steps_logged": len(recs), "gates_passed": gates.get("passed"), "gates_failed": gates.get("failed"),
+        "tokens_per_s": round(tps) if measured else None,
+        "flops_per_token": flops["mfu"], "flops_per_token_6ltd": flops["mfu_6ltd"],
+        **mfu,
+        "mfu_formula": "mfu: tokens/s x (6 N' + 12 n_layers seq_len d_attn) / peak dense bf16 FLOP/s (PaLM, nanoGPT, "
+                       "torchtitan); mfu_6ltd: the same with 6 n_layers seq_len d_attn (Kaplan, llm.c); N' = "
+                       "non-embedding params + the output head once (training.metrics)",
         "gate_mfu_fwd_bwd": gate.get("throughput.mfu", {}).get("value"),
         "backward_forward_ratio": gate.get("throughput.backward_ratio", {}).get("value"),
         "peak_mem_gb": measured_mem,
@@ -267,10 +451,7 @@ def measure(a: argparse.Namespace, run: Path, rc: int, wall: float) -> dict:
         "projected_2B_tokens_hours": round(hours, 2), "projected_2B_tokens_usd": round(hours * a.hourly_usd, 2),
         "speedup_vs_reference": round(tps_full / REFERENCE_TOKENS_PER_S, 1) if tps_full == tps_full else None,
         "hourly_usd": a.hourly_usd,
-    }
-    if not a.skip_1b and a.device == "cuda":
-        res["memory_1b"] = [memory_probe("1b", a.seq_len, 4, False), memory_probe("1b", a.seq_len, 16, True)]
-    return res
+    }.items()}
 
 
 if __name__ == "__main__":

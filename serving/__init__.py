@@ -1,12 +1,14 @@
 """prodip serving: one Backend interface over every runtime, and `load(path)` that picks one.
 
     backend = serving.load("runs/x/export/gguf/x-Q4_K_M.gguf")    # or a run, a checkpoint, an .onnx, an HF folder
+    serving.describe(backend)   # {"kind": "prodip" | "foreign", "arch": ..., "context": ..., ...}
     ids = backend.tokenize("আমার সোনার বাংলা")
     for t in backend.generate(ids, SamplingParams.greedy(16)): ...
 
 RUNTIMES is the one table of backend names and their aliases; runtime modules are imported only when
 a file of theirs is loaded (llama.cpp, onnxruntime and transformers are heavy, and transformers is a
-dev/test dependency).
+dev/test dependency). Any GGUF llama.cpp can run loads (Qwen2, Gemma, ...): files prodip did not write
+are "foreign" (`backend.prodip` False) and chat through their own template (serving/llamacpp.py).
 """
 
 from __future__ import annotations
@@ -63,4 +65,15 @@ def load(path: str | Path, backend: str | None = None, **kwargs) -> Backend:
     return getattr(importlib.import_module(rt.module), rt.cls)(p, **kwargs)
 
 
-__all__ = ["ALIASES", "RUNTIMES", "Backend", "SamplingParams", "ServingError", "load", "runtime_name"]
+def describe(backend: Backend) -> dict:
+    """What a backend serves, for a UI: its own `describe()` where it has one (llama.cpp: arch, size,
+    quant type, context, prodip or foreign, chat template), else the basics every backend knows."""
+    own = getattr(backend, "describe", None)
+    if callable(own):
+        return own()
+    prodip = bool(getattr(backend, "prodip", True))
+    return {"name": backend.name, "kind": "prodip" if prodip else "foreign", "prodip": prodip,
+            "context": backend.n_ctx, "chat_template": True}
+
+
+__all__ = ["ALIASES", "RUNTIMES", "Backend", "SamplingParams", "ServingError", "describe", "load", "runtime_name"]

@@ -13,16 +13,34 @@ Text given to a backend is normalized with `training.text.normalize` first, alwa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Annotated, Protocol, runtime_checkable
 
 import numpy as np
+from pydantic import Field
+
+from training.schema import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, SchemaError, Seed, check
 
 
 class ServingError(ValueError):
     pass
+
+
+# The sampling parameters' types, shared by SamplingParams, the `python -m serving` flags (`flag(T)`) and the
+# HTTP request bodies, so all three refuse the same values with the same words. Strict: a JSON `true` or
+# "0.5" is not a number, 2.0 is not a token count.
+MAX_NEW_TOKENS = 1 << 16
+MAX_TEMPERATURE = 10.0
+MAX_PENALTY = 10.0
+MaxNewTokens = Annotated[PositiveInt, Field(le=MAX_NEW_TOKENS, strict=True)]
+Temperature = Annotated[NonNegFloat, Field(le=MAX_TEMPERATURE, strict=True)]  # 0 = greedy
+TopK = Annotated[NonNegInt, Field(strict=True)]  # 0 = off
+TopP = Annotated[PositiveFloat, Field(le=1, strict=True)]  # a probability; 0 would keep no token
+RepetitionPenalty = Annotated[PositiveFloat, Field(le=MAX_PENALTY, strict=True)]
+SamplingSeed = Annotated[Seed, Field(strict=True)]
+SAMPLING_TYPES = {"max_new_tokens": MaxNewTokens, "temperature": Temperature, "top_k": TopK, "top_p": TopP,
+                  "repetition_penalty": RepetitionPenalty, "seed": SamplingSeed}
 
 
 @dataclass
@@ -36,16 +54,15 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)
 
     def validate(self) -> SamplingParams:
-        if not (isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens <= 1 << 16):
-            raise ServingError(f"max_new_tokens must be an integer in [1, 65536], got {self.max_new_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and 0 <= self.temperature <= 10):
-            raise ServingError(f"temperature must be in [0, 10], got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ServingError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ServingError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 10):
-            raise ServingError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        """Self, or ServingError naming the first field out of range (types from SAMPLING_TYPES)."""
+        for name, type_ in SAMPLING_TYPES.items():
+            value = getattr(self, name)
+            if name == "seed" and value is None:
+                continue
+            try:
+                check(type_, value, name, strict=True)
+            except SchemaError as e:
+                raise ServingError(str(e)) from None
         return self
 
     @classmethod

@@ -1,7 +1,10 @@
 """Conversation handling shared by the CLI, the HTTP server and the demo, for every backend.
 
 - Prompts are rendered through `training.chat` (the one template), tokenized by the backend's own
-  tokenizer: an adapter gives `training.chat.encode` the few things it needs.
+  tokenizer: an adapter gives `training.chat.encode` the few things it needs. A backend serving a
+  file prodip did not write (`backend.prodip` False: a foreign GGUF) renders through the file's own
+  template instead (`backend.render_chat`), or, with no template, continues the conversation as plain
+  text and says so in the notice.
 - When a conversation outgrows the context, the oldest non-system turns are dropped and the result
   carries a notice for the user; a single message that cannot fit is a `PromptTooLong` error.
 - `TextStream` turns a backend's token stream into text pieces: incomplete UTF-8 is held back, stop
@@ -73,17 +76,67 @@ class PreparedChat:
     messages: list[dict]  # what was kept (normalized)
     dropped: int
     n_ctx: int
+    stop: tuple[str, ...] = STOP_STRINGS  # the template's end-of-turn text (prodip: ours)
+    fallback: str | None = None  # why there is no chat template (the prompt is plain text)
 
     @property
     def notice(self) -> str | None:
-        if not self.dropped:
-            return None
-        return (f"the conversation outgrew the {self.n_ctx}-token context: "
-                f"dropped the {self.dropped} oldest message(s)")
+        notes = [self.fallback] if self.fallback else []
+        if self.dropped:
+            notes.append(f"the conversation outgrew the {self.n_ctx}-token context: "
+                         f"dropped the {self.dropped} oldest message(s)")
+        return "; ".join(notes) or None
 
 
 def reply_reserve(n_ctx: int, max_new_tokens: int) -> int:
     return max(1, min(max_new_tokens, int(n_ctx * MAX_REPLY_SHARE)))
+
+
+def is_prodip(backend: Backend) -> bool:
+    """Whether the backend serves a model prodip wrote (every backend but a foreign GGUF)."""
+    return bool(getattr(backend, "prodip", True))
+
+
+def _too_long(backend: Backend, n: int, budget: int) -> PromptTooLong:
+    return PromptTooLong(f"the prompt is {n} tokens but the model's context is {backend.n_ctx} tokens "
+                         f"({budget} after room for the reply); shorten the message")
+
+
+def plain_text(messages: Sequence[dict]) -> str:
+    """A conversation for a model without a chat template: the contents, one paragraph each."""
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def _foreign_ids(backend: Backend, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+    rendered = backend.render_chat(messages)  # type: ignore[attr-defined]
+    if rendered is None:
+        return backend.tokenize(plain_text(messages), bos=True, allow_special=False), ()
+    prompt, stop = rendered
+    # As llama-cpp-python's chat handler does: the template wrote BOS and the turn markers itself.
+    return backend.tokenize(prompt, bos=False, allow_special=True), stop
+
+
+def _oldest_turn(messages: list[dict]) -> int | None:
+    """Index of the oldest non-system message that may go (never the last one), else None."""
+    return next((i for i, m in enumerate(messages[:-1]) if m["role"] != "system"), None)
+
+
+def prepare_foreign_chat(backend: Backend, msgs: list[dict], budget: int) -> PreparedChat:
+    """The file's own template; the oldest non-system messages are dropped until the prompt fits (a
+    reply left leading goes too: many templates insist that a conversation starts with the user)."""
+    kept, dropped = list(msgs), 0
+    while True:
+        ids, stop = _foreign_ids(backend, kept)
+        if len(ids) <= budget:
+            return PreparedChat(ids, kept, dropped, backend.n_ctx, stop, getattr(backend, "chat_notice", None))
+        oldest = _oldest_turn(kept)
+        if oldest is None:  # only the last message (and any system prompt) is left
+            raise _too_long(backend, len(ids), budget)
+        del kept[oldest]
+        dropped += 1
+        while (i := _oldest_turn(kept)) is not None and kept[i]["role"] == "assistant":
+            del kept[i]
+            dropped += 1
 
 
 def prepare_chat(backend: Backend, messages: Sequence[dict], params: SamplingParams) -> PreparedChat:
@@ -91,15 +144,16 @@ def prepare_chat(backend: Backend, messages: Sequence[dict], params: SamplingPar
     msgs = validate(messages)
     if not msgs:
         raise ChatError("messages must not be empty")
-    tok = backend_tokens(backend)
     budget = backend.n_ctx - reply_reserve(backend.n_ctx, params.max_new_tokens)
+    if not is_prodip(backend):
+        return prepare_foreign_chat(backend, msgs, budget)
+    tok = backend_tokens(backend)
     try:
         kept, dropped = truncate_history(tok, msgs, budget)  # type: ignore[arg-type]
     except ChatError:
         # Only the last message (and any system prompt) is left and still does not fit.
         n = len(encode(tok, [m for m in msgs if m["role"] == "system"] + [msgs[-1]]).ids)  # type: ignore[arg-type]
-        raise PromptTooLong(f"the prompt is {n} tokens but the model's context is {backend.n_ctx} tokens "
-                            f"({budget} after room for the reply); shorten the message") from None
+        raise _too_long(backend, n, budget) from None
     return PreparedChat(encode(tok, kept).ids, kept, dropped, backend.n_ctx)  # type: ignore[arg-type]
 
 
@@ -271,7 +325,7 @@ def chat_stream(backend: Backend, messages: Sequence[dict], params: SamplingPara
     """Prepare a conversation (may raise PromptTooLong / ChatError) and its reply stream."""
     params = params.validate()
     prepared = prepare_chat(backend, messages, params)
-    chat_params = replace(params, stop=tuple(dict.fromkeys([*params.stop, *STOP_STRINGS])))
+    chat_params = replace(params, stop=tuple(dict.fromkeys([*params.stop, *prepared.stop])))
     return prepared, TextStream(backend, prepared.ids, chat_params, lock)
 
 

@@ -1,6 +1,13 @@
 """An OpenAI-compatible HTTP server over one Backend: /v1/chat/completions and /v1/completions
 (with SSE streaming), /v1/models and /health. FastAPI + uvicorn, bound to 127.0.0.1 by default.
 
+Fail before announcing: `reserve_socket(host: str, port: int, *, flag="--http") -> socket.socket`
+resolves the host, binds and listens on the port, or raises ServingError with one line naming `flag`
+(a busy port, a host that does not resolve, an address not of this machine, a port out of range).
+`bound_port(sock)` is the port it holds (the OS's pick for 0). The server is handed that very socket
+(`serve(..., sock=sock)`), so nothing can take the port between the check and the serving; a server
+that takes only a port (Gradio, in demo/) closes it just before it binds the same port itself.
+
 Exposure limits: the request body is capped (413), max_tokens is capped (400), and every client
 mistake (invalid UTF-8 or JSON, a bad sampling parameter, a prompt longer than the context) is a
 400 with a one-line message in OpenAI's error shape. One generation runs at a time per backend
@@ -11,7 +18,9 @@ its generation: the stream is closed, which closes the backend's token loop.
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import threading
 import time
 import uuid
@@ -22,8 +31,19 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serving.backend import Backend, SamplingParams, ServingError
+from serving.backend import (
+    Backend,
+    MaxNewTokens,
+    RepetitionPenalty,
+    SamplingParams,
+    SamplingSeed,
+    ServingError,
+    Temperature,
+    TopK,
+    TopP,
+)
 from serving.chat_session import GenerationProbe, GenerationStats, chat_stream, completion_stream
+from training.schema import Port, SchemaError, check, parse, reject_unknown
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -33,6 +53,14 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 64
 SSE_DONE = "data: [DONE]\n\n"
+LISTEN_BACKLOG = 2048  # uvicorn's default
+# request-body fields: any other is refused with the nearest name, so a typo ("temprature") is not ignored
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
+                   "repeat_penalty", "seed", "stop", "stream")
+CHAT_FIELDS, COMPLETION_FIELDS = ("messages",), ("prompt",)
+IGNORED_FIELDS = ("model", "user", "stream_options", "metadata", "store")  # labels: they change no output
+NOOP_AT = {"n": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+           "logprobs": (None, False), "echo": (None, False), "best_of": (None, 1)}  # allowed only at these
 
 
 class RequestError(ServingError):
@@ -49,16 +77,49 @@ class ServerConfig:
 
 
 def parse_bind(spec: str) -> tuple[str, int]:
-    """'[HOST:]PORT' -> (host, port); the host defaults to loopback."""
+    """'[HOST:]PORT' -> (host, port); the host defaults to loopback, the port is a schema Port."""
     host, _, port = spec.rpartition(":")
     host = host.strip("[]") or DEFAULT_HOST
+    if not port.strip().isdigit():
+        raise ServingError(f"--http expects [HOST:]PORT, got {spec!r}")
     try:
-        p = int(port)
-    except ValueError:
-        raise ServingError(f"--http expects [HOST:]PORT, got {spec!r}") from None
-    if not 0 <= p <= 65535:
-        raise ServingError(f"port must be in [0, 65535], got {p}")
-    return host, p
+        return host, parse(Port, port, "--http port")
+    except SchemaError as e:
+        raise ServingError(str(e)) from None
+
+
+def reserve_socket(host: str, port: int, *, flag: str = "--http") -> socket.socket:
+    """A TCP socket bound to (host, port), ready to hand to the server, or ServingError naming `flag`.
+
+    Done before the model loads and before "serving on ..." is printed, so a busy port or a bad host
+    fails at once with one line instead of after minutes of loading (or, worse, after announcing)."""
+    where = f"{flag} {host}:{port}"
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ServingError(f"{where}: port must be an integer in [0, 65535]")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ServingError(f"{where}: cannot resolve host {host!r} ({getattr(e, 'strerror', None) or e})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    # as uvicorn does: restarting right after a stop must not wait out TIME_WAIT (still refuses a live listener)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = {errno.EADDRINUSE: f"port {port} is already in use",
+               errno.EADDRNOTAVAIL: f"{host!r} is not an address of this machine",
+               errno.EACCES: f"no permission to bind port {port}"}.get(e.errno, e.strerror or str(e))
+        raise ServingError(f"{where}: {why}") from None
+    sock.listen(LISTEN_BACKLOG)  # held from now on: a bound socket that is not listening can be bound twice
+    sock.set_inheritable(True)
+    return sock
+
+
+def bound_port(sock: socket.socket) -> int:
+    """The port a reserved socket holds (the OS's pick when 0 was asked for)."""
+    return sock.getsockname()[1]
 
 
 def error_body(message: str, status: int) -> JSONResponse:
@@ -99,23 +160,33 @@ def _text(v: object, name: str) -> str:
     return v
 
 
-def _number(body: dict, key: str, default: float, *, integer: bool = False) -> float | int:
+def _field(body: dict, key: str, type_: object, default: object) -> object:
+    """body[key] checked against the schema type shared with SamplingParams and the CLI flags."""
     v = body.get(key)
     if v is None:
         return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok:
-        raise RequestError(f"{key} must be {'an integer' if integer else 'a number'}, got {v!r}")
-    return v
+    try:
+        return check(type_, v, key, strict=True)
+    except SchemaError as e:
+        raise RequestError(str(e)) from None
+
+
+def check_fields(body: dict, endpoint_fields: tuple[str, ...]) -> None:
+    """Refuse a misspelt or unsupported field (nearest name suggested) instead of ignoring it; OpenAI's
+    fields that change nothing here are accepted at their no-op value only."""
+    for key, noop in NOOP_AT.items():
+        if body.get(key) not in noop:
+            raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[-1])}")
+    try:
+        reject_unknown("field", body, (*endpoint_fields, *SAMPLING_FIELDS, *IGNORED_FIELDS, *NOOP_AT))
+    except SchemaError as e:
+        raise RequestError(str(e)) from None
 
 
 def sampling_from_body(body: dict, cap: int) -> SamplingParams:
     """OpenAI fields plus llama.cpp-style extensions (top_k, repeat_penalty / repetition_penalty)."""
-    n = body.get("n", 1)
-    if n != 1:
-        raise RequestError("only n=1 is supported")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, min(DEFAULT_MAX_TOKENS, cap), integer=True)
+    max_tokens = _field(body, key, MaxNewTokens, min(DEFAULT_MAX_TOKENS, cap))
     if not 1 <= max_tokens <= cap:
         raise RequestError(f"{key} must be in [1, {cap}], got {max_tokens}")
     stop = body.get("stop")
@@ -130,17 +201,14 @@ def sampling_from_body(body: dict, cap: int) -> SamplingParams:
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise RequestError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
     rep_key = "repetition_penalty" if body.get("repetition_penalty") is not None else "repeat_penalty"
-    defaults = SamplingParams()
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise RequestError(f"seed must be a non-negative integer, got {seed!r}")
+    d = SamplingParams()
     params = SamplingParams(
-        max_new_tokens=int(max_tokens),
-        temperature=_number(body, "temperature", defaults.temperature),
-        top_k=_number(body, "top_k", defaults.top_k, integer=True),
-        top_p=_number(body, "top_p", defaults.top_p),
-        repetition_penalty=_number(body, rep_key, defaults.repetition_penalty),
-        seed=seed,
+        max_new_tokens=max_tokens,
+        temperature=_field(body, "temperature", Temperature, d.temperature),
+        top_k=_field(body, "top_k", TopK, d.top_k),
+        top_p=_field(body, "top_p", TopP, d.top_p),
+        repetition_penalty=_field(body, rep_key, RepetitionPenalty, d.repetition_penalty),
+        seed=_field(body, "seed", SamplingSeed, None),
         stop=stops,
     )
     try:
@@ -247,6 +315,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None, lock: threa
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request, cfg.max_body_bytes)
+        check_fields(body, CHAT_FIELDS)
         messages = _messages(body)
         params = sampling_from_body(body, cfg.max_tokens_cap)
         stream_mode = _stream_flag(body)
@@ -287,6 +356,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None, lock: threa
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request, cfg.max_body_bytes)
+        check_fields(body, COMPLETION_FIELDS)
         prompt = _prompt(body)
         params = sampling_from_body(body, cfg.max_tokens_cap)
         stream_mode = _stream_flag(body)
@@ -325,8 +395,14 @@ def create_app(backend: Backend, config: ServerConfig | None = None, lock: threa
 
 
 def serve(backend: Backend, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, config: ServerConfig | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Serve until stopped; on `sock` (from reserve_socket) when given, else bind (host, port) now."""
     import uvicorn
 
-    uvicorn.run(create_app(backend, config), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    sock = sock or reserve_socket(host, port)
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, config), host=host, port=bound_port(sock),
+                                           log_level=log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

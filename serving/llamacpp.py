@@ -1,44 +1,135 @@
-"""llama.cpp backend (llama-cpp-python): GGUF files, llama.cpp's own tokenizer and sampler.
+"""llama.cpp backend (llama-cpp-python): any GGUF llama.cpp can run, its own tokenizer and sampler.
 
-- tokenize: llama.cpp's SentencePiece tokenizer reading the GGUF vocabulary, on normalize(text);
+- prodip files (`python -m export gguf`: Llama architecture, our ChatML template) keep every prodip
+  check: our special tokens must be single pieces, chats render through `training.chat`;
+- any other GGUF (Qwen2, Gemma, ... as llama.cpp's convert_hf_to_gguf.py writes them) is "foreign":
+  chats render through the file's own `tokenizer.chat_template` with llama-cpp-python's Jinja2 chat
+  formatter, generation ends at the file's end-of-generation tokens; a file without a template falls
+  back to plain text completion and says so (`chat_notice`, one `warning:` line at load);
+- a file llama.cpp cannot load is one ServingError naming it, with llama.cpp's own reason;
+- tokenize: llama.cpp's tokenizer reading the GGUF vocabulary, on normalize(text);
 - logits: every position (`logits_all=True`; llama-cpp-python 0.3.x fills `scores` only then);
 - generate: llama.cpp's sampler chain (greedy when temperature == 0);
 - one threading.Lock around everything that touches the context (logits, generate): a Llama object
   is never entered by two requests at once; a generate stream holds it until it ends or is closed.
-The KV cache is F32 by default (`kv_f32`): the default F16 cache alone moves logits by ~4e-3,
-which would hide what parity measures for the F32 file.
+For prodip files the KV cache is F32 (`kv_f32`): the default F16 cache alone moves logits by ~4e-3,
+which would hide what parity measures for the F32 file. Foreign files get llama.cpp's F16 cache and at
+most FOREIGN_MAX_CTX tokens of context unless asked (their trained context may be 128k tokens, whose
+cache and logits would not fit in memory).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from serving.backend import SamplingParams, ServingError
+from training.chat import CHAT_TEMPLATE
 from training.text import normalize
 from training.tokenizer import EOS, IM_END
 
-EXPECTED_ARCH = "llama"
+PRODIP_ARCH = "llama"
 GGML_TYPE_F32 = 0
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT (llama_cpp._logger predates DEBUG)
 ARCH_KEY = "general.architecture"
 FILE_TYPE_KEY = "general.file_type"
+NAME_KEY = "general.name"
+TEMPLATE_KEY = "tokenizer.chat_template"
+FOREIGN_MAX_CTX = 4096  # default context for foreign files (llama.cpp's own default), when n_ctx is not given
+_LOG_LOCK = threading.Lock()  # llama.cpp's log callback is process-wide: one load captures it at a time
 
 
-def gguf_architecture(path: Path) -> tuple[str | None, int | None]:
-    """(general.architecture, general.file_type) read with gguf-py, without loading the model."""
+@dataclass(frozen=True)
+class GgufInfo:
+    """What a GGUF says about itself, read with gguf-py before llama.cpp opens it."""
+
+    arch: str | None
+    file_type: int | None
+    name: str | None
+    chat_template: str | None
+    context_length: int | None
+
+    @property
+    def type_name(self) -> str | None:
+        """'F16', 'Q4_K_M', ... from general.file_type (llama.cpp's LLAMA_FTYPE names)."""
+        import gguf
+
+        if self.file_type is None:
+            return None
+        try:
+            return gguf.LlamaFileType(self.file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            return f"type {self.file_type}"
+
+    @property
+    def prodip(self) -> bool:
+        """Written by `python -m export gguf`: our architecture and our chat template, byte for byte."""
+        return self.arch == PRODIP_ARCH and self.chat_template == CHAT_TEMPLATE
+
+
+def read_gguf_info(path: Path) -> GgufInfo:
+    """The few metadata keys serving needs, read with gguf-py, without loading the model."""
     import gguf
 
     try:
         r = gguf.GGUFReader(path)
     except Exception as e:  # gguf-py raises ValueError/struct errors on foreign files
-        raise ServingError(f"{path}: not a readable GGUF file ({e})") from None
-    arch = r.fields.get(ARCH_KEY)
-    ftype = r.fields.get(FILE_TYPE_KEY)
-    return (arch.contents() if arch else None, int(ftype.contents()) if ftype else None)
+        why = str(e)
+    else:
+        why = None
+    if why is not None:  # raised here, not in `except`: the failed reader's frames (its memory map of
+        raise ServingError(f"{path}: not a readable GGUF file ({why})")  # the file) must not ride along
+
+    def value(key: str) -> object:
+        f = r.fields.get(key)
+        return f.contents() if f is not None else None
+
+    arch = value(ARCH_KEY)
+    ctx = value(f"{arch}.context_length") if isinstance(arch, str) else None
+    ftype, name, template = value(FILE_TYPE_KEY), value(NAME_KEY), value(TEMPLATE_KEY)
+    return GgufInfo(arch if isinstance(arch, str) else None, int(ftype) if isinstance(ftype, int) else None,
+                    name if isinstance(name, str) else None, template if isinstance(template, str) else None,
+                    int(ctx) if isinstance(ctx, int) else None)
+
+
+def gguf_architecture(path: Path) -> tuple[str | None, int | None]:
+    """(general.architecture, general.file_type) read with gguf-py, without loading the model."""
+    info = read_gguf_info(path)
+    return info.arch, info.file_type
+
+
+def open_llama(path: Path, arch: str | None, **kwargs: object):
+    """llama_cpp.Llama(path, **kwargs); a file llama.cpp refuses is one ServingError naming the file
+    and giving llama.cpp's own reason (its error log lines, captured here instead of printed)."""
+    import llama_cpp
+    from llama_cpp import Llama, _logger
+
+    errors: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if level == GGML_LOG_LEVEL_ERROR:
+            errors.append(text.decode("utf-8", errors="replace").strip())
+        else:  # everything else goes where llama-cpp-python sends it (printed only when verbose)
+            _logger.llama_log_callback(level, text, user_data)
+
+    with _LOG_LOCK:
+        llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+        try:
+            return Llama(str(path), **kwargs)
+        except ValueError as e:  # llama-cpp-python: "Failed to load model from file"
+            why = next((x for x in errors if x), str(e))  # the first error line is the cause
+        finally:
+            llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    # raised outside `except`, so the half-built Llama is not kept alive by the exception's context
+    raise ServingError(f"{path}: llama.cpp cannot load this GGUF (architecture {arch!r}): {why}")
 
 
 def _type_label(path: Path) -> str:
@@ -49,28 +140,86 @@ def _type_label(path: Path) -> str:
 
 class LlamaCppBackend:
     def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, threads: int | None = None,
-                 kv_f32: bool = True, logits_all: bool = True, n_batch: int = 512, seed: int = 0,
+                 kv_f32: bool | None = None, logits_all: bool = True, n_batch: int = 512, seed: int = 0,
                  verbose: bool = False):
+        """`n_ctx` None: the trained context (foreign files: at most FOREIGN_MAX_CTX); `kv_f32` None: an
+        F32 KV cache for prodip files (parity), llama.cpp's F16 for others."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ServingError(f"GGUF not found: {self.path}")
-        arch, _ = gguf_architecture(self.path)
-        if arch != EXPECTED_ARCH:
-            raise ServingError(f"{self.path}: architecture {arch!r} is not {EXPECTED_ARCH!r}; "
-                               "prodip serves Llama-architecture GGUF files written by `python -m export gguf`")
-        from llama_cpp import Llama
-
+        self.info = read_gguf_info(self.path)
+        self.prodip = self.info.prodip
+        self.chat_template = self.info.chat_template
+        if n_ctx is None and not self.prodip:
+            n_ctx = min(self.info.context_length or FOREIGN_MAX_CTX, FOREIGN_MAX_CTX)
+        if kv_f32 is None:
+            kv_f32 = self.prodip
         kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
         self._lock = threading.Lock()
-        self.llm = Llama(str(self.path), n_ctx=n_ctx or 0, n_threads=threads, n_threads_batch=threads,
-                         n_batch=n_batch, logits_all=logits_all, seed=seed, verbose=verbose, **kv)
+        self.llm = open_llama(self.path, self.info.arch, n_ctx=n_ctx or 0, n_threads=threads,
+                              n_threads_batch=threads, n_batch=n_batch, logits_all=logits_all, seed=seed,
+                              verbose=verbose, **kv)
         # llama.cpp pads its context (to 256) but llama-cpp-python's token/logit buffers keep the asked size
         # (the trained context when n_ctx=0): past that they overflow, so that is the usable context
         self.n_ctx = min(self.llm.n_ctx(), self.llm.context_params.n_ctx)
         self.n_vocab = self.llm.n_vocab()
         self.logits_all = logits_all
         self.name = f"llama.cpp-{_type_label(self.path)}"
-        self.eos_ids = tuple(self._piece_id(p) for p in (EOS, IM_END))
+        self.chat_notice: str | None = None  # set when chats fall back to plain completion
+        self._formatter = None  # a foreign file's chat template (llama-cpp-python's Jinja2ChatFormatter)
+        try:
+            if self.prodip:
+                self.eos_ids = tuple(self._piece_id(p) for p in (EOS, IM_END))
+            else:
+                self._init_foreign()
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_foreign(self) -> None:
+        """End-of-generation ids from the file, and its chat template (or the plain-completion notice)."""
+        import llama_cpp
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self.eos_ids = tuple(i for i in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i))
+        if self.chat_template is None:
+            self.chat_notice = (f"{self.path.name} has no chat template: chats are continued as plain text "
+                                "(no roles), replies may not stop where a turn would")
+            print(f"warning: {self.chat_notice}", file=sys.stderr)
+            return
+
+        def text(tok: int) -> str:
+            return llama_cpp.llama_vocab_get_text(vocab, tok).decode("utf-8", errors="replace") if tok >= 0 else ""
+
+        try:  # llama-cpp-python's own formatter: what its create_chat_completion renders
+            self._formatter = Jinja2ChatFormatter(self.chat_template, eos_token=text(self.llm.token_eos()),
+                                                  bos_token=text(self.llm.token_bos()))
+        except Exception as e:  # jinja2.TemplateError
+            raise ServingError(f"{self.path}: its chat template is not valid Jinja ({e})") from None
+
+    def render_chat(self, messages: Sequence[dict]) -> tuple[str, tuple[str, ...]] | None:
+        """A foreign file's prompt for `messages` through its own chat template, and its stop strings
+        (None when the file has no template). prodip files render through `training.chat` instead."""
+        if self._formatter is None:
+            return None
+        try:
+            out = self._formatter(messages=list(messages))
+        except Exception as e:  # the template's raise_exception() (e.g. roles must alternate), jinja errors
+            raise ServingError(f"{self.path.name}: its chat template refused the conversation: {e}") from None
+        stop = out.stop if isinstance(out.stop, list) else [out.stop] if out.stop else []
+        return out.prompt, tuple(s for s in stop if s)
+
+    def describe(self) -> dict:
+        """What is loaded, for a UI: arch, size, quant type, context, prodip or foreign, template."""
+        import llama_cpp
+
+        return {"name": self.name, "file": self.path.name, "model_name": self.info.name, "arch": self.info.arch,
+                "n_params": int(llama_cpp.llama_model_n_params(self.llm.model)) if self.llm else None,
+                "quant": self.info.type_name, "context": self.n_ctx,
+                "trained_context": self.info.context_length, "kind": "prodip" if self.prodip else "foreign",
+                "prodip": self.prodip, "chat_template": self.chat_template is not None,
+                "chat_notice": self.chat_notice}
 
     def _piece_id(self, piece: str) -> int:
         ids = self.llm.tokenize(piece.encode(), add_bos=False, special=True)

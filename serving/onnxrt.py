@@ -14,13 +14,13 @@ not match them (other vocabulary, layer count or head shape, missing inputs) is 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from serving.backend import SamplingParams, ServingError, sample_next
+from training.layout import LayoutError, read_json
 from training.tokenizer import Tokenizer, TokenizerError
 
 CONFIG_FILE = "onnx_config.json"
@@ -44,12 +44,12 @@ def output_names(n_layers: int) -> list[str]:
 
 def read_config(folder: Path) -> dict:
     f = folder / CONFIG_FILE
-    if not f.is_file():
+    if not f.exists():
         raise ServingError(f"{f} not found: the ONNX folder was not written by prodip's export (export.onnx)")
     try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ServingError(f"{f}: unreadable JSON ({e})") from None
+        cfg = read_json(f, "ONNX config")
+    except LayoutError as e:
+        raise ServingError(str(e)) from None
     if cfg.get("format") != FORMAT:
         raise ServingError(f"{f}: not a prodip ONNX config (format {cfg.get('format')!r})")
     missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len", "tokenizer_sha256")

@@ -15,7 +15,8 @@ from training import distributed as D
 from training.config import TrainConfig
 from training.data import pretraining_data, read_shard, write_shard
 from training.gates.context import PreflightContext
-from training.model import Transformer, flops_per_token
+from training.metrics import flops_per_token
+from training.model import Transformer
 from training.optim import make_optimizer
 from training.prepare import prepare
 from training.text import normalize

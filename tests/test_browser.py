@@ -1,9 +1,12 @@
-"""One real-browser check of the demo: headless Chromium types a Bangla message into `python -m demo`
-(started as a user starts it), sees the streamed Bangla reply, and saves a screenshot."""
+"""Real-browser checks of the demo: headless Chromium types a Bangla message into `python -m demo`
+(started as a user starts it), sees the streamed Bangla reply and the model card, then opens the
+"see the difference" and tokenizer tabs on the same page and sees their results; a second tab closed
+mid-reply leaves the demo serving. Screenshots are saved."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,6 +22,7 @@ from fixtures_serve import (
     serve_run,  # noqa: F401  (pytest fixture)
 )
 
+from demo.app import COMPARE_TAB, TOKENS_TAB
 from training.text import script_counts
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -74,12 +78,23 @@ def demo_url(serve_run):  # noqa: F811
     assert "gradio.live" not in out, "the demo opened a public share link without --share"
 
 
+def launch_browser(p):
+    return p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+
+
+def keep(shot: Path) -> None:
+    assert shot.stat().st_size > 0
+    if os.environ.get(KEEP_ENV):
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, ARTIFACTS / shot.name)
+
+
 def test_browser_chat_in_bangla(demo_url, tmp_path):
     from playwright.sync_api import sync_playwright
 
     shot = tmp_path / "demo-chat.png"
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        browser = launch_browser(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(demo_url, wait_until="domcontentloaded")
@@ -91,13 +106,71 @@ def test_browser_chat_in_bangla(demo_url, tmp_path):
             box.press("Enter")
             page.locator("#status").get_by_text(SPEED_MARK).wait_for(timeout=REPLY_TIMEOUT_MS)
             chat = page.locator("#chatbot").inner_text()
+            page.locator("#card").get_by_text("tokens trained").wait_for(timeout=REPLY_TIMEOUT_MS)
+            card = page.locator("#card").inner_text()
             page.screenshot(path=str(shot), full_page=True)
         finally:
             browser.close()
     assert BN_QUESTION in chat
     reply = chat.split(BN_QUESTION, 1)[1]
     assert script_counts(reply).get("bn", 0) > 0, f"no Bangla reply on the page: {chat!r}"
-    assert shot.stat().st_size > 0
-    if os.environ.get(KEEP_ENV):
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(shot, ARTIFACTS / shot.name)
+    assert "tokens trained" in card and "held-out bits/byte" in card and "prodip" in card
+    keep(shot)
+
+
+def test_browser_difference_and_tokenizer_tabs(demo_url, tmp_path):
+    """One page load: the card, then each new tab clicked and its result seen."""
+    from playwright.sync_api import sync_playwright
+
+    shots = [tmp_path / "demo-compare.png", tmp_path / "demo-tokens.png"]
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(demo_url, wait_until="domcontentloaded")
+            page.get_by_role("tab", name=COMPARE_TAB).click()
+            page.locator("#compare-go").click()
+            summary = page.locator("#compare-summary")
+            summary.get_by_text(re.compile("identical|first difference")).wait_for(timeout=REPLY_TIMEOUT_MS)
+            compared = page.locator("#compare-a").inner_text()
+            page.screenshot(path=str(shots[0]), full_page=True)
+            page.get_by_role("tab", name=TOKENS_TAB).click()
+            page.locator("#tokens-go").click()
+            table = page.locator("#tokens-table")
+            table.get_by_text("UTF-8 bytes").wait_for(timeout=REPLY_TIMEOUT_MS)
+            tokens, table_text = page.locator("#tokens-spans").inner_text(), table.inner_text()
+            page.screenshot(path=str(shots[1]), full_page=True)
+        finally:
+            browser.close()
+    assert script_counts(compared).get("bn", 0) > 0, f"no Bangla in the compared output: {compared!r}"
+    assert script_counts(tokens).get("bn", 0) > 0 and "chars/token" in table_text
+    for shot in shots:
+        keep(shot)
+
+
+def test_browser_closed_tab_mid_reply(demo_url):
+    """A tab closed while its request is in flight: the demo stops that generation and serves the next tab."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        try:
+            first = browser.new_page()
+            first.goto(demo_url, wait_until="domcontentloaded")
+            box = first.locator("#message textarea")
+            box.wait_for(timeout=REPLY_TIMEOUT_MS)
+            box.fill(BN_QUESTION)
+            box.press("Enter")
+            first.locator("#chatbot").get_by_text(BN_QUESTION).wait_for(timeout=REPLY_TIMEOUT_MS)  # in flight
+            first.close()  # the tiny model may finish first: tests/test_demo.py closes a stream mid-reply
+            second = browser.new_page()
+            second.goto(demo_url, wait_until="domcontentloaded")
+            box = second.locator("#message textarea")
+            box.wait_for(timeout=REPLY_TIMEOUT_MS)
+            box.fill(BN_QUESTION)
+            box.press("Enter")
+            second.locator("#status").get_by_text(SPEED_MARK).wait_for(timeout=REPLY_TIMEOUT_MS)
+            chat = second.locator("#chatbot").inner_text()
+        finally:
+            browser.close()
+    assert script_counts(chat.split(BN_QUESTION, 1)[1]).get("bn", 0) > 0

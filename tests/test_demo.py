@@ -10,6 +10,7 @@ import threading
 
 import pytest
 from conftest import REPO
+from fixtures_foreign_gguf import foreign_ggufs  # noqa: F401  (pytest fixture)
 from fixtures_serve import BN_QUESTION, serve_gguf, serve_run  # noqa: F401  (pytest fixtures)
 
 from demo.app import (
@@ -185,3 +186,246 @@ def test_cli_defaults_are_private():
 
     args = build_parser().parse_args([])
     assert args.host == "127.0.0.1" and args.share is False
+
+
+# ------------------------------------------------------------------------------------------- model card
+def card_entry(pool, backend_kind: str):
+    return next(e for e in pool.entries.values() if e.backend == backend_kind)
+
+
+def test_model_card_reads_the_run(serve_run, serve_gguf, tmp_path):  # noqa: F811
+    """Every number on the card is the one in the run's files: checkpoint config and state, log.jsonl,
+    gates.json, eval.json (a real `python -m training.evaluate`), parity.json (a real parity run)."""
+    import shutil
+
+    from demo.card import NOT_MEASURED, model_card
+    from demo.models import entry_for
+    from export.manifest import load_source
+    from export.parity import run_parity
+    from training import layout
+    from training.checkpoint import latest
+    from training.evaluate.cli import main as evaluate_main
+    from training.gates import GateReport
+    from training.model import ModelConfig, count_params
+
+    run = tmp_path / "run"  # a copy: this test writes eval and parity results into it
+    shutil.copytree(serve_run, run, ignore=shutil.ignore_patterns("parity.*", "eval"))
+    gguf = run / layout.EXPORT / layout.GGUF_DIR / serve_gguf.name
+    ck = latest(run)
+    cfg = ModelConfig.from_dict(layout.read_json(ck / layout.MODEL_CONFIG))
+    state = layout.read_json(ck / layout.STATE)
+    b = load(gguf, threads=1)
+    try:
+        card = model_card(entry_for(gguf), b)
+        assert card.prodip
+        assert f"{count_params(cfg) / 1e6:.2f} M parameters" in card.get("size")
+        assert f"{state['tokens']:,} (chat fine-tuning" in card.get("tokens trained")
+        assert "pretraining" in card.get("tokens trained")  # the SFT run's base run is followed
+        assert GateReport.load(run / layout.GATES).summary() in card.get("training gates")
+        assert "validation split" in card.get("held-out bits/byte") and NOT_MEASURED in card.get("held-out bits/byte")
+        assert card.get("parity vs fp32") == NOT_MEASURED
+
+        # real evaluation and parity results appear, with their numbers
+        text = tmp_path / "held_out.txt"
+        text.write_text(clip_corpus(), encoding="utf-8")
+        assert evaluate_main([str(run), "--text", str(text), "--gen-tokens", "0", "--no-progress", "--device", "cpu"]) == 0
+        rep = layout.read_json(run / "eval" / "eval.json")
+        model_bpb, twin_bpb = (m["lm"]["all"]["bits_per_byte"] for m in rep["models"])
+        report = run_parity(run / layout.EXPORT, load_source(run), n_new=4, backends=[b])  # this file only
+        card = model_card(entry_for(gguf), b)
+        assert card.get("held-out bits/byte").startswith(f"{model_bpb:.3f} vs random-init twin {twin_bpb:.3f}")
+        mine = next(r for r in report.results if r["file"].endswith(gguf.name))
+        assert card.get("parity vs fp32").startswith("pass" if mine["passed"] else "FAIL")
+        assert f"top-1 agreement {mine['top1']:.1%}" in card.get("parity vs fp32")
+    finally:
+        b.close()
+
+    # broken or missing files read "not measured" / "unreadable", never an exception
+    (run / layout.GATES).write_text("{", encoding="utf-8")
+    (run / layout.LOG).write_text('{"step": 1, "val_bpb": 2.5}\n{"step": 2, "val_bpb": ', encoding="utf-8")  # crashed
+    (run / "eval" / "eval.json").unlink()
+    (run / layout.EXPORT / layout.PARITY_JSON).write_text("[]", encoding="utf-8")
+    card = model_card(entry_for(gguf))
+    assert "unreadable" in card.get("training gates") and card.get("parity vs fp32") == NOT_MEASURED
+    assert card.get("held-out bits/byte").startswith("2.500 (validation split")  # what the log holds before the cut
+    lone = tmp_path / "lone.gguf"  # a GGUF outside any run
+    shutil.copy(gguf, lone)
+    card = model_card(entry_for(lone))
+    assert all(card.get(k) == NOT_MEASURED for k in ("size", "tokens trained", "held-out bits/byte",
+                                                      "training gates", "parity vs fp32"))
+
+
+def clip_corpus(n: int = 3) -> str:
+    from fixtures_serve import bangla_paragraphs
+
+    return "\n\n".join(bangla_paragraphs()[-n:])
+
+
+def test_a_foreign_gguf_in_the_demo(foreign_ggufs):  # noqa: F811
+    """A GGUF prodip did not write: its card says foreign (no prodip checks claimed), and the tokenizer
+    tab shows its own tokenizer's pieces."""
+    from demo.app import ModelPool, card_markdown, make_tokenize
+    from demo.card import model_card
+    from training.text import normalize
+
+    entries = discover_models(foreign_ggufs.qwen2)
+    pool = ModelPool(entries, threads=1)
+    try:
+        label = entries[0].label
+        md = card_markdown(pool, label)
+        card = model_card(entries[0], pool.get(label)[0])
+        text = "আমার সোনার বাংলা, hello"
+        spans, _ = make_tokenize(pool)(text, label)
+    finally:
+        pool.close()
+    assert not card.prodip and "**foreign**" in md and "do not apply" in md
+    assert card.get("arch") == "qwen2"
+    assert "parity vs fp32" not in dict(card.rows)  # prodip's checks are not claimed for it
+    assert "".join(t for t, _ in spans).strip() == normalize(text)  # its tokenizer adds a dummy-prefix space
+
+
+def test_card_over_http(demo):
+    url, entries = demo
+    c = client_for(url)
+    for e in entries[:2]:
+        md = c.predict(e.label, api_name="/card")
+        assert e.label in md and "tokens trained" in md and "held-out bits/byte" in md
+
+
+# ----------------------------------------------------------------------------------- see the difference
+def test_compare_finds_the_first_different_token(tiny_run, serve_run):  # noqa: F811
+    """The pretrained model and its chat fine-tune, greedy on one prompt: the reported divergence is
+    where their own greedy token streams (asked again through the Backend) first differ."""
+    from demo.app import ModelPool, make_compare
+    from demo.compare import FIRST_DIFF, SAME
+    from demo.models import entry_for
+    from serving.chat_session import prepare_chat
+
+    a, b = entry_for(tiny_run), entry_for(serve_run)
+    a = type(a)("base · " + a.label, a.path, a.backend)  # both are "torch · step_…": distinct labels
+    pool = ModelPool([a, b], threads=1)
+    try:
+        summary, hl_a, hl_b = make_compare(pool)(BN_QUESTION, a.label, b.label, 24, "chat")
+        streams = []
+        for e in (a, b):
+            backend, _ = pool.get(e.label)
+            ids = prepare_chat(backend, [{"role": "user", "content": BN_QUESTION}], SamplingParams.greedy(24)).ids
+            streams.append(list(backend.generate(ids, SamplingParams.greedy(24))))
+    finally:
+        pool.close()
+    k = next(i for i, (x, y) in enumerate(zip(*streams)) if x != y)  # they differ: one is chat-tuned
+    assert f"first difference at generated token {k} " in summary
+    assert (FIRST_DIFF in [lab for _, lab in hl_a]) and (FIRST_DIFF in [lab for _, lab in hl_b])
+    same_a = "".join(t for t, lab in hl_a if lab == SAME)
+    assert same_a == "".join(t for t, lab in hl_b if lab == SAME)
+
+
+def test_compare_torch_and_gguf_over_http(demo):
+    url, entries = demo
+    torch = next(e.label for e in entries if e.backend == "torch")
+    gguf = next(e.label for e in entries if e.backend == "llama.cpp")
+    summary, out_a, out_b = client_for(url).predict(BN_QUESTION, torch, gguf, 16, "chat", api_name="/compare")
+    text_a = "".join(s["token"] for s in out_a)
+    assert bn(text_a) > 0 and ("identical" in summary or "first difference" in summary)
+    if "identical" in summary:  # F16 of a tiny model usually matches fp32 greedily; then both texts agree
+        assert text_a == "".join(s["token"] for s in out_b)
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="empty"):
+        client_for(url).predict("  ", torch, gguf, 16, "chat", api_name="/compare")
+
+
+def test_first_divergence_rules():
+    from demo.compare import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # one model stopped early: that is a difference too
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+def test_tokenizer_tab_over_http(demo, serve_run):  # noqa: F811
+    from training.text import normalize
+    from training.tokenizer import Tokenizer
+
+    url, entries = demo
+    text = "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি। Hello! 😀"  # the emoji goes through byte fallback
+    spans, table = client_for(url).predict(text, entries[0].label, api_name="/tokenize")
+    tok = Tokenizer.load(serve_run / "tokenizer.model")
+    ids = tok.encode(text)
+    assert "".join(s["token"] for s in spans) == normalize(text)
+    assert len({s["class_or_confidence"] for s in spans}) > 1  # neighbours differ in colour
+    norm = normalize(text)
+    assert f"| {len(ids)} | {len(norm) / len(ids):.2f} |" in table
+    assert f"| {len(norm.encode())} | {len(norm) / len(norm.encode()):.2f} |" in table  # the byte-level bound
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="খুব লম্বা"):
+        client_for(url).predict("ক" * 50_000, entries[0].label, api_name="/tokenize")
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def test_empty_and_huge_messages_are_clear(demo):
+    from gradio_client.exceptions import AppError
+
+    url, entries = demo
+    with pytest.raises(AppError, match="empty"):
+        ask(url, entries[0].label, "   ")
+    with pytest.raises(AppError, match="খুব লম্বা"):
+        ask(url, entries[0].label, "ক" * 50_000)
+
+
+def test_closed_stream_frees_the_model(serve_run):  # noqa: F811
+    """Gradio closes a reply's generator when its tab goes away: the generation stops and the model's
+    lock is free at once (not at garbage collection), so the next user is served."""
+    from demo.app import ModelPool, make_respond
+
+    entries = discover_models(serve_run)[:1]
+    pool = ModelPool(entries, threads=1)
+    try:
+        respond = make_respond(pool)
+        label = entries[0].label
+        gen = respond(BN_QUESTION, [], label, 200, 0.0, 0, 1.0, 1.0, 0)
+        next(gen), next(gen)  # the "writing…" update, then the first piece: generation is running
+        _, lock = pool.get(label)
+        assert lock.locked()
+        gen.close()  # what gradio.utils.SyncToAsyncIterator.aclose does for a closed tab
+        assert not lock.locked()
+        *_, final = respond(BN_QUESTION, [], label, 8, 0.0, 0, 1.0, 1.0, 0)
+        assert bn(final[1][-1]["content"]) > 0
+    finally:
+        pool.close()
+
+
+def test_cancelled_client_leaves_the_demo_serving(demo):
+    url, entries = demo
+    c = client_for(url)
+    job = c.submit(BN_QUESTION, [], entries[0].label, 1024, 1.5, 0, 1.0, 1.0, 3, api_name="/chat")
+    import time
+
+    t0 = time.time()
+    while not job.outputs() and time.time() - t0 < 60:
+        time.sleep(0.02)
+    job.cancel()
+    _, final = ask(url, entries[0].label, BN_QUESTION, max_tokens=8)  # another user, same model
+    assert bn(last_reply(final)) > 0
+
+
+def test_cli_bad_host_busy_port_and_numbers(serve_run, capsys):  # noqa: F811
+    from demo.__main__ import main
+
+    assert main(["--model", str(serve_run), "--host", "nosuchhost.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --host") and "nosuchhost.invalid" in err and len(err.strip().splitlines()) == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        assert main(["--model", str(serve_run), "--port", str(busy)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "--port" in err and f"port {busy} is already in use" in err
+    for flag, value in (("--port", "70000"), ("--port", "-1"), ("--threads", "0"), ("--threads", "x")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(serve_run), flag, value])
+        assert e.value.code == 2
+        assert f"argument {flag}" in capsys.readouterr().err

@@ -306,6 +306,48 @@ def test_lm_metrics_trained_vs_twin(trained):
         assert m[lang].bits_per_byte < t[lang].bits_per_byte - 0.2, lang
 
 
+# --- well-formedness of generated text ------------------------------------------------------------
+
+
+def test_greedy_equals_argmax_without_cache_and_stops_at_end_of_turn(trained):
+    """The KV-cache greedy loop picks, at every step, the argmax of a full forward pass over the prefix."""
+    provider = ev.TorchProvider(trained.model, trained.tokenizer)
+    ids = provider.prompt_ids("আজকের আবহাওয়া কেমন?", chat=False)
+    assert ids[0] == trained.tokenizer.bos_id
+    out = provider.greedy(ids, 24)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(24):
+            nxt = int(trained.model(torch.tensor([seq]))[0, -1].argmax())
+            if nxt in (trained.tokenizer.eos_id, trained.tokenizer.im_end_id):
+                break
+            seq.append(nxt)
+    assert out == seq[len(ids):] and out
+    chat_ids = provider.prompt_ids("নমস্কার", chat=True)
+    assert trained.tokenizer.decode(chat_ids, keep_special=True).endswith("<|im_start|>assistant\n")
+
+
+def test_generate_wellformed_scores_the_answers(trained):
+    from training.wellformed import wellformed
+
+    provider = ev.TorchProvider(trained.model, trained.tokenizer)
+    prompts = ev.read_prompts(ev.PROMPTS)[:3]
+    r = ev.generate_wellformed(provider, prompts, max_new_tokens=16, chat=False)
+    answers = [provider.decode(provider.greedy(provider.prompt_ids(p, chat=False), 16)) for p in prompts]
+    assert [s["text"] for s in r["samples"]] == answers  # greedy: the same answers again
+    w = wellformed(answers)
+    assert (r["clusters"], r["share"], r["prompts"]) == (w.clusters, w.share, 3) and w.clusters > 0
+    assert r["examples"] == [c for c, _ in w.invalid.most_common()][:len(r["examples"])]
+
+
+def test_read_prompts_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    for path, words in ((empty, "no prompts"), (tmp_path / "missing.txt", "not found")):
+        with pytest.raises(ev.EvalError, match=words):
+            ev.read_prompts(path)
+
+
 # --- the CLI --------------------------------------------------------------------------------------
 
 
@@ -337,6 +379,11 @@ def test_cli_writes_reports_and_model_card(trained, run_copy, capsys):
     assert "| decontaminated |" in (run / "eval" / "eval.md").read_text()
     assert (run / "eval" / "eval.png").stat().st_size > 1000
     assert "bits/byte" in (run / "eval" / "eval.md").read_text()
+    # greedy answers to the shipped prompts (plain continuation: tiny_run is a pretraining run), scored
+    wf = model["wellformed"]
+    assert wf["prompts"] == len(ev.read_prompts(ev.PROMPTS)) and not wf["chat"] and twin["wellformed"]["prompts"] == 8
+    assert wf["clusters"] > 0 and wf["invalid"] == wf["clusters"] - round(wf["share"] * wf["clusters"])
+    assert "Well-formedness of generated text" in (run / "eval" / "eval.md").read_text()
     text = card.read_text()
     assert text.startswith("# tiny model") and text.count("<!-- prodip:eval:begin -->") == 1
     # never overwritten without --force; with it, the card section is replaced, not duplicated
@@ -347,6 +394,8 @@ def test_cli_writes_reports_and_model_card(trained, run_copy, capsys):
     assert ev.main([*args, "--force", "--no-twin"]) == 0
     assert card.read_text().count("<!-- prodip:eval:begin -->") == 1
     assert [m["name"] for m in json.loads((run / "eval" / "eval.json").read_text())["models"]] == ["model"]
+    assert ev.main([*args, "--force", "--no-twin", "--gen-tokens", "0"]) == 0
+    assert "wellformed" not in json.loads((run / "eval" / "eval.json").read_text())["models"][0]
 
 
 def test_cli_gate_fails_for_an_untrained_checkpoint(trained, tmp_path):
@@ -368,11 +417,17 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nope": 1}\n')
     for args in ([run], [run, "--mc", str(bad)], [str(tmp_path / "missing"), "--text", str(HELDOUT)],
-                 [run, "--text", str(tmp_path / "none.txt")], [run, "--mc", str(bad), "--limit", "0"],
-                 [run, "--text", str(HELDOUT), "--margin", "-1"]):
+                 [run, "--text", str(tmp_path / "none.txt")], [run, "--text", str(HELDOUT), "--prompts",
+                                                               str(tmp_path / "none.txt")]):
         assert ev.main([*args, "--out", str(tmp_path / "o")]) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    # numbers are range-checked while parsing (training.schema types): one error line naming the flag
+    for flag, value in (("--limit", "0"), ("--margin", "-1"), ("--twin-seed", str(10**30)), ("--gen-tokens", "-1"),
+                        ("--max-doc-chars", "0"), ("--stride", "nan"), ("--step", "1e3"), ("--device", "gpu")):
+        assert ev.main([run, "--text", str(HELDOUT), flag, value, "--out", str(tmp_path / "o")]) == 2, flag
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and flag in err, err
     assert not (tmp_path / "o").exists()
 
 

@@ -435,7 +435,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("prepare-bad-gzip", prep_bad_gzip, "bad gzip"),
     ("prepare-empty-folder", prep_empty_folder, "has no files"),
     ("prepare-out-exists", prep_out_exists, "--force"),
-    ("prepare-vocab-zero", prep_bad_vocab, "--vocab-size must be positive"),
+    ("prepare-vocab-zero", prep_bad_vocab, "--vocab-size"),
     ("prepare-bad-tokenizer", prep_bad_tokenizer, "not a SentencePiece model"),
     ("train-missing-data", train_missing_data, "data directory not found"),
     ("train-not-prepared", train_not_prepared, "not a prepared data directory"),
@@ -460,7 +460,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("export-tokenizer-vocab", export_tokenizer_vocab, "tokenizer has"),
     ("export-other-manifest", export_other_manifest, "another checkpoint"),
     ("export-bad-threshold", export_bad_threshold, "bad threshold"),
-    ("export-new-tokens-zero", export_new_tokens_zero, "--new-tokens must be >= 1"),
+    ("export-new-tokens-zero", export_new_tokens_zero, "--new-tokens"),
     ("serve-missing", serve_missing, "not found"),
     ("serve-gguf-other-arch", serve_gguf_other_arch, "architecture 'gpt2'"),
     ("serve-gguf-truncated", serve_gguf_truncated, "GGUF"),
@@ -470,8 +470,8 @@ CASES: list[tuple[str, Setup, str]] = [
     ("serve-gguf-prompt-too-long", serve_gguf_prompt_too_long, "context"),
     ("serve-temperature", serve_temperature, "temperature"),
     ("serve-nan-temperature", serve_nan_temperature, "temperature"),
-    ("serve-top-p", serve_top_p, "top_p"),
-    ("serve-max-tokens", serve_max_tokens, "max_new_tokens"),
+    ("serve-top-p", serve_top_p, "--top-p"),
+    ("serve-max-tokens", serve_max_tokens, "--max-tokens"),
     ("serve-bad-port", serve_bad_port, "port"),
     ("serve-truncated-checkpoint", serve_truncated_checkpoint, "truncated or corrupted"),
     ("serve-tokenizer-mismatch", serve_tokenizer_mismatch, "does not match"),
@@ -479,7 +479,7 @@ CASES: list[tuple[str, Setup, str]] = [
     ("demo-gguf-other-arch", demo_gguf_other_arch, "architecture 'gpt2'"),
     ("quickstart-missing-corpus", quickstart_missing_corpus, "input not found"),
     ("quickstart-missing-chat", quickstart_missing_chat, "input not found"),
-    ("quickstart-zero-steps", quickstart_zero_steps, "--steps must be >= 1"),
+    ("quickstart-zero-steps", quickstart_zero_steps, "argument --steps"),
 ]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.model import PRESETS, Transformer, count_params, flops_per_token, preset
+from training.metrics import flops_per_token
+from training.model import PRESETS, Transformer, count_params, preset
 
 transformers = pytest.importorskip("transformers")
 

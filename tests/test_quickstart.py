@@ -44,3 +44,31 @@ def test_quickstart_runs_every_stage_then_reuses_them(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert "=== pretrain" not in again.stdout and "=== export" not in again.stdout
     assert time.perf_counter() - t0 < 60
+
+
+def test_quickstart_flags_are_range_checked_before_any_stage(tmp_path: Path, capsys) -> None:
+    """Numbers and names are checked while parsing (training.schema types): one error line naming the flag."""
+    from demo import quickstart as qs
+
+    (tmp_path / "a-file").write_text("")
+    for flag, value in (("--steps", "0"), ("--sft-steps", "-3"), ("--vocab-size", str(10**30)), ("--vocab-size", "12"),
+                        ("--port", "70000"), ("--steps", "1e3"), ("--preset", "smal"), ("--out", str(tmp_path / "a-file"))):
+        assert qs.main(["--out", str(tmp_path / "qs"), "--no-demo", flag, value]) == 2, flag
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and flag in err, err
+    assert not (tmp_path / "qs").exists()
+
+
+def test_an_early_stopped_run_counts_as_finished(tmp_path: Path) -> None:
+    """Validation stopped pretraining before --steps: a second quickstart must not train it again."""
+    from demo.quickstart import early_stop_flags, finished
+    from training import checkpoint as ckpt
+
+    run = tmp_path / "base"
+    step = run / layout.CHECKPOINTS / ckpt.step_dir_name(40)
+    step.mkdir(parents=True)
+    (step / layout.STATE).write_text('{"step": 40}')
+    assert not finished(run, 200) and finished(run, 40)
+    (run / layout.EARLY_STOP).write_text('{"step": 80, "best_step": 40}')
+    assert finished(run, 200)
+    assert early_stop_flags()[0] == "--early-stop-patience"

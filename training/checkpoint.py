@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +36,17 @@ MODEL_FILE, OPTIM_FILE, STATE_FILE, CONFIG_FILE, TOKENIZER_FILE = (
 STEP_PREFIX = layout.STEP_PREFIX
 TMP_PREFIX = ".tmp-"
 RNG_PREFIX = "rng/"
+CPU_RNG = "torch_cpu"  # the RNG state every checkpoint holds (training.optim.rng_state)
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per parameter
 
 
 class CheckpointError(ValueError):
     pass
+
+
+# what every state.json holds (checkpoint.save writes these); a resume needs the RESUME_ keys too
+STATE_SCHEMA: layout.Schema = {"step": int, "tokenizer_sha256": str}
+RESUME_STATE_SCHEMA: layout.Schema = {**STATE_SCHEMA, "tokens": int, "data": dict}
 
 
 def step_dir_name(step: int) -> str:
@@ -113,8 +121,9 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict], na
 
 def save(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Tokenizer,
          optim_tensors: dict[str, torch.Tensor] | None = None, rng: dict[str, torch.Tensor] | None = None,
-         state: dict | None = None, keep_last: int = 0) -> Path:
-    """Atomically write checkpoint `step`; then prune to the newest `keep_last` (0 keeps all)."""
+         state: dict | None = None, keep_last: int = 0, keep: Container[int] = ()) -> Path:
+    """Atomically write checkpoint `step`; then prune to the newest `keep_last` (0 keeps all), never
+    pruning the steps in `keep` (early stopping's best one)."""
     check_finite(weights, "weights")
     if optim_tensors:
         check_finite(optim_tensors, "optimizer state")
@@ -156,17 +165,34 @@ def save(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mod
         raise
     if keep_last > 0:
         for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if step_of(old) not in keep:
+                remove(old)
     return final
 
 
+def step_of(path: Path) -> int | None:
+    """N of a folder named step_N (None for any other name)."""
+    digits = path.name[len(STEP_PREFIX):]
+    return int(digits) if path.name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary folders are never listed)."""
+    """Every step_* folder, oldest first. Temporary folders are never listed; a step_* folder is
+    complete by construction (renamed into place whole), so one that has lost a file since is listed
+    too, and reading it fails naming the file, rather than a resume silently falling back to an older one."""
     root = Path(run_dir) / layout.CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint: renamed to a temporary name first (atomic), so a kill mid-delete never
+    leaves a half-deleted step_* folder for `latest()` to find; a later save clears the rest."""
+    doomed = path.with_name(f"{TMP_PREFIX}del-{path.name}-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -183,8 +209,8 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> Path:
         return p
     if step is not None:
         c = p / layout.CHECKPOINTS / step_dir_name(step)
-        if not (c / STATE_FILE).is_file():
-            raise CheckpointError(f"no complete checkpoint for step {step} in {p}")
+        if not c.is_dir():
+            raise CheckpointError(f"no checkpoint for step {step} in {p}")
         return c
     c = latest(p)
     if c is None:
@@ -230,26 +256,50 @@ class Checkpoint:
     state: dict
     tokenizer: Tokenizer
 
-    def optimizer_and_rng(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def optimizer_and_rng(self, strict: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Optimizer moments and RNG states; `strict` (a resume): a missing file or RNG state is an error."""
         f = self.path / OPTIM_FILE
         if not f.is_file():
+            if strict:
+                raise CheckpointError(f"{f}: optimizer state not found")
             return {}, {}
         try:
             t = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(unreadable_tensors(f, e)) from None
         rng = {k[len(RNG_PREFIX):]: v for k, v in t.items() if k.startswith(RNG_PREFIX)}
+        if strict and CPU_RNG not in rng:
+            raise CheckpointError(f"{f}: holds no RNG state ({RNG_PREFIX}{CPU_RNG})")
         return {k: v for k, v in t.items() if not k.startswith(RNG_PREFIX)}, rng
 
 
-def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
-    """Read a checkpoint (weights only through safetensors; nothing is unpickled)."""
-    c = resolve(path, step)
+def read_state(c: Path, required: layout.Schema = STATE_SCHEMA) -> dict:
+    """A checkpoint's state.json, checked: its format version and the keys in `required`."""
     try:
-        cfg = ModelConfig.from_dict(json.loads((c / CONFIG_FILE).read_text()))
-        state = json.loads((c / STATE_FILE).read_text()) if (c / STATE_FILE).is_file() else {}
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{c}: unreadable config/state JSON ({e})") from None
+        return layout.read_json(c / STATE_FILE, "checkpoint state", required=required, version=layout.STATE_FORMAT)
+    except layout.LayoutError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def read_config(c: Path) -> ModelConfig:
+    """A checkpoint's config.json as a ModelConfig; CheckpointError naming the file otherwise."""
+    try:
+        return ModelConfig.from_dict(layout.read_json(c / CONFIG_FILE, "model config"))
+    except layout.LayoutError as e:
+        raise CheckpointError(str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{c / CONFIG_FILE}: not a valid model config ({e})") from None
+
+
+def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
+    """Read a checkpoint (weights only through safetensors; nothing is unpickled). A bare folder of
+    weights + config.json + tokenizer (no state.json) loads too: it is not resumable, but exportable."""
+    c = resolve(path, step)
+    cfg = read_config(c)
+    # a run's checkpoint holds its state.json by construction; a bare folder elsewhere need not
+    state = read_state(c) if (c / STATE_FILE).exists() or layout.is_checkpoint_dir(c) else {}
+    if not (c / MODEL_FILE).is_file():
+        raise CheckpointError(f"{c / MODEL_FILE}: model weights not found")
     try:
         weights = load_file(str(c / MODEL_FILE))
     except (SafetensorError, OSError, ValueError) as e:
@@ -260,6 +310,39 @@ def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
     if state.get("tokenizer_sha256") not in (None, tok.sha256):
         raise CheckpointError(f"{c}: tokenizer.model does not match the tokenizer the weights were trained with")
     return Checkpoint(c, cfg, weights, state, tok)
+
+
+def check_fits(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """Every weight of `model` in `weights` with its shape (the tied head may be absent), before loading."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
+        expected.pop("output.weight", None)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected) - {"output.weight"})
+    wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{where}: weights do not fit the model: missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}, wrong shape {wrong[:3]}")
+
+
+def check_optimizer_fits(params: list[tuple[str, torch.nn.Parameter]], tensors: dict[str, torch.Tensor],
+                         rng: dict[str, torch.Tensor], where: Path) -> None:
+    """AdamW moments (exp_avg, exp_avg_sq of each parameter's shape, and step) for every trainable
+    parameter that has any, and a CPU RNG state torch accepts: anything less would resume, but not exactly."""
+    for name, p in params:
+        present = [m for m in ADAM_MOMENTS if f"{name}/{m}" in tensors]
+        if not present:
+            continue  # AdamW makes a parameter's state at its first update: none yet is exact too
+        for moment in ADAM_MOMENTS:
+            t = tensors.get(f"{name}/{moment}")
+            if t is None:
+                raise CheckpointError(f"{where}: no optimizer state {name}/{moment}")
+            if moment != "step" and tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"{where}: optimizer state {name}/{moment} has shape {tuple(t.shape)}, "
+                                      f"the parameter {tuple(p.shape)}")
+    cpu = rng.get(CPU_RNG)
+    if cpu is None or cpu.dtype != torch.uint8 or cpu.numel() != torch.get_rng_state().numel():
+        raise CheckpointError(f"{where}: damaged RNG state {RNG_PREFIX}{CPU_RNG}")
 
 
 def load_weights(model: Transformer, weights: dict[str, torch.Tensor]) -> None:

@@ -3,10 +3,36 @@ unless --debug; 130 on Ctrl-C. Shared by train, sft, prepare, evaluate, export, 
 
 from __future__ import annotations
 
+import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that refuses a command line (unknown flag, bad value, missing argument) with the same
+    one `error: argument --lr: ...` line and exit 2 as every other bad input: no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {' '.join(message.split())}\n")
+
+
+def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: Callable[[argparse.Namespace], int | None],
+             *, errors: tuple[type[BaseException], ...] = (ValueError, OSError), interrupted_hint: str = "") -> int:
+    """A CLI's main(): parse `argv`, then run `body(args)` under `guarded`. Returns the exit status in
+    both cases (a bad flag: 2, `--help`: 0), so tests can call main(argv) in-process."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed the help or the one error line
+        return e.code if isinstance(e.code, int) else EXIT_OK if e.code is None else EXIT_USAGE
+
+    def call() -> int | None:
+        rc = body(args)
+        return rc if type(rc) is int else None  # a summary a body returns (a dict) is not an exit status
+
+    return guarded(call, debug=getattr(args, "debug", False), errors=errors, interrupted_hint=interrupted_hint)
 
 
 def guarded(fn: Callable[[], int | None], *, debug: bool = False,

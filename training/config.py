@@ -1,71 +1,138 @@
-"""TrainConfig: every training setting, from a preset, a TOML file and CLI overrides (in that order).
+"""TrainConfig: every training setting, from a preset, a TOML file, flags and `--set` (in that order).
 
-The command-line flags of every training CLI (training/train.py, training/sft.py) are made here from
-TrainConfig's fields, so each flag has one spelling and one default.
+    preset's [train] (training/presets/NAME.toml) < --config FILE.toml < flags < --set KEY=VALUE
+
+Every value passes through one schema, TrainConfig's and ModelConfig's annotated field types
+(training.schema): a flag is checked by argparse with `flag(T)`, a TOML key and a `--set` value by
+`check`/`parse`, and an error names the flag, key or file and the value. Unknown keys and tables
+are refused with the nearest valid name. The command-line flags of every training CLI
+(training/train.py, training/sft.py) are made here from TrainConfig's fields, so each flag has one
+spelling, one type and one default. The format is documented in docs/config.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+import re
 from collections.abc import Container
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from pydantic import AfterValidator, Field
 
-from training.model import ModelConfig, preset
+from training.gates.preflight import PREFLIGHT
+from training.model import ModelConfig, field_types, model_table, preset, preset_names, preset_tables
+from training.schema import (
+    NonNegFloat,
+    NonNegInt,
+    PositiveFloat,
+    Probability,
+    SchemaError,
+    Seed,
+    check,
+    flag,
+    parse,
+    read_toml,
+    suggest,
+    toml_tables,
+    unknown_name,
+)
 
 
-class ConfigError(ValueError):
+class ConfigError(SchemaError):
     pass
+
+
+MODEL_ERROR = "model config"  # how ModelConfig's own errors begin
+
+
+# ----------------------------------------------------------------------------------- value types
+def _known_preset(name: str) -> str:
+    if name not in preset_names():
+        raise unknown_name("preset", name, preset_names())
+    return name
+
+
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def _device(name: str) -> str:
+    if not DEVICE.fullmatch(name):
+        raise ValueError(f"unknown device {name!r}; choose auto, cpu, cuda, cuda:N or mps")
+    return name
+
+
+def _known_gate(name: str) -> str:
+    """A pre-flight gate (`gradient_flow`), a group of them (`data`) or one result (`data.no_repeats`)."""
+    if name not in PREFLIGHT and name.split(".")[0] not in PREFLIGHT:
+        raise unknown_name("gate", name, PREFLIGHT)
+    return name
+
+
+PresetName = Annotated[str, AfterValidator(_known_preset)]
+Device = Annotated[str, AfterValidator(_device)]
+GateName = Annotated[str, AfterValidator(_known_gate)]
+Schedule = Literal["cosine", "wsd", "constant"]
+Dtype = Literal["auto", "fp32", "bf16"]  # what training.trainer.autocast_for knows (no fp16 loss scaling)
+# Sizes and counts: bounded so that a typo (10**30) is an error here, not an overflow in torch.
+MAX_SIZE = 2**24  # batch, accumulation, sequence length, validation batches
+MAX_COUNT = 2**62  # steps and tokens: fits int64 with room for arithmetic
+Size = Annotated[int, Field(gt=0, le=MAX_SIZE)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Every = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # AdamW requires 0 <= beta < 1
 
 
 @dataclass
 class TrainConfig:
     data: str = ""
     out: str = ""
-    preset: str = "small"
-    max_steps: int = 0  # 0: derived from max_tokens
-    max_tokens: int = 0
-    stop_at: int = 0  # stop (with a checkpoint) after this step, as if interrupted; resume later
-    batch_size: int = 8  # micro-batch per process
-    grad_accum: int = 1
-    seq_len: int = 256
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | wsd | constant
-    decay_frac: float = 0.2  # WSD: final fraction of steps spent decaying
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    device: str = "auto"
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
+    preset: PresetName = "small"
+    max_steps: Count = 0
+    max_tokens: Count = 0
+    stop_at: Count = 0
+    batch_size: Size = 8
+    grad_accum: Size = 1
+    seq_len: Size = 256
+    lr: PositiveFloat = 3e-3
+    min_lr_ratio: Probability = 0.1
+    warmup_steps: Count = 20
+    schedule: Schedule = "cosine"
+    decay_frac: Probability = 0.2
+    weight_decay: NonNegFloat = 0.1
+    beta1: Beta = 0.9
+    beta2: Beta = 0.95
+    grad_clip: NonNegFloat = 1.0
+    device: Device = "auto"
+    dtype: Dtype = "auto"
     compile: bool = False
     fsdp: bool = False
     activation_checkpointing: bool = False
-    seed: int = 1337
-    eval_every: int = 100
-    eval_batches: int = 8
-    save_every: int = 200
-    keep_last: int = 3
-    log_every: int = 10
-    gpu_hourly_usd: float = 0.0
-    on_nonfinite: str = "stop"  # stop | skip
-    max_nonfinite_skips: int = 5
-    spike_zscore: float = 6.0
-    spike_window: int = 50
-    on_spike: str = "warn"  # warn | skip: a loss spike (z > spike_zscore) also drops that batch's update
-    grad_flow_every: int = 100
-    skip_gates: list[str] = field(default_factory=list)
-    init: str = ""  # start from this checkpoint's weights (fine-tuning)
-    model: dict = field(default_factory=dict)  # overrides of the preset's ModelConfig
+    seed: Seed = 1337
+    eval_every: Count = 100
+    eval_batches: Size = 8
+    save_every: Count = 200
+    keep_last: Count = 3
+    log_every: Every = 10
+    gpu_hourly_usd: NonNegFloat = 0.0
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_nonfinite_skips: Count = 5
+    spike_zscore: PositiveFloat = 6.0
+    spike_window: Size = 50
+    on_spike: Literal["warn", "skip"] = "warn"
+    grad_flow_every: Count = 100
+    skip_gates: list[GateName] = field(default_factory=list)
+    init: str = ""
+    reset_optimizer: bool = False
+    early_stop_patience: NonNegInt = 0
+    log_to: Literal["", "tensorboard"] = ""
+    model: dict[str, Any] = field(default_factory=dict)  # overrides of the preset's ModelConfig
+
+    def __post_init__(self) -> None:
+        # Code that builds a TrainConfig directly gets the same checks as a flag or a TOML key.
+        for name, type_ in field_types(TrainConfig).items():
+            setattr(self, name, check(type_, getattr(self, name), f"train config {name}"))
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         over = dict(self.model)
@@ -77,91 +144,192 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
 
     def validate(self) -> TrainConfig:
-        if self.schedule not in ("cosine", "wsd", "constant"):
-            raise ConfigError(f"schedule must be cosine, wsd or constant, not {self.schedule!r}")
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise ConfigError(f"on_nonfinite must be stop or skip, not {self.on_nonfinite!r}")
-        if self.on_spike not in ("warn", "skip"):
-            raise ConfigError(f"on_spike must be warn or skip, not {self.on_spike!r}")
-        for name in ("batch_size", "grad_accum", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
+        """The checks across fields, and the model built on paper: all before anything is written."""
         if self.max_steps <= 0 and self.max_tokens <= 0:
             raise ConfigError("set --max-steps or --max-tokens")
+        mc = self.model_config(preset(self.preset).vocab_size)  # the data's vocabulary replaces it later
+        if self.seq_len > mc.max_seq_len:
+            raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}")
         return self
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+# What each setting does: the flags' --help and docs/config.md say the same.
+HELP: dict[str, str] = {
+    "data": "the data folder written by `python -m training.prepare`",
+    "out": "the run folder (the same command again resumes it)",
+    "preset": "model shape and recipe: training/presets/NAME.toml (its [train] table changes some defaults shown here)",
+    "max_steps": "optimizer steps (0: derived from --max-tokens)",
+    "max_tokens": "training tokens, when --max-steps is 0",
+    "stop_at": "stop (with a checkpoint) after this step, as if interrupted; resume later (0: off)",
+    "batch_size": "micro-batch per process, in sequences",
+    "grad_accum": "micro-batches per optimizer step",
+    "seq_len": "tokens per training sequence",
+    "lr": "peak learning rate",
+    "min_lr_ratio": "final learning rate as a fraction of the peak (cosine, wsd)",
+    "warmup_steps": "steps of linear warmup",
+    "schedule": "learning-rate schedule after warmup",
+    "decay_frac": "wsd: the final fraction of steps spent decaying",
+    "weight_decay": "AdamW weight decay",
+    "beta1": "AdamW beta1, in [0, 1)",
+    "beta2": "AdamW beta2, in [0, 1)",
+    "grad_clip": "clip the global gradient norm to this (0: off)",
+    "device": "auto, cpu, cuda, cuda:N or mps",
+    "dtype": "auto: bf16 autocast on CUDA, fp32 elsewhere",
+    "compile": "torch.compile the model",
+    "fsdp": "FSDP2 under torchrun (else DDP)",
+    "activation_checkpointing": "recompute each block's activations in backward (less memory)",
+    "seed": "random seed, in [0, 2^63)",
+    "eval_every": "validate every N steps (0: never)",
+    "eval_batches": "validation batches per evaluation",
+    "save_every": "checkpoint every N steps (0: only at the end)",
+    "keep_last": "keep the newest N checkpoints (0: all)",
+    "log_every": "print a progress line every N steps",
+    "gpu_hourly_usd": "GPU price per hour, for the cost estimate (0: off)",
+    "on_nonfinite": "a non-finite loss or gradient: stop, or skip that step",
+    "max_nonfinite_skips": "with --on-nonfinite skip: stop after this many skipped steps",
+    "spike_zscore": "a loss this many standard deviations above the recent mean is a spike",
+    "spike_window": "steps of loss history for the spike z-score",
+    "on_spike": "a loss spike: warn, or skip (also drop that batch's update)",
+    "grad_flow_every": "check gradient flow every N steps (0: never)",
+    "skip_gates": "pre-flight gates to skip (emergencies only; recorded loudly in gates.json)",
+    "init": "start from this checkpoint's weights (fine-tuning)",
+    "reset_optimizer": "resume from a checkpoint whose optimizer state is missing or unreadable with a fresh "
+                       "optimizer (recorded in log.jsonl); without it such a resume is refused",
+    "early_stop_patience": "stop after N evaluations without a new best validation loss (0: off)",
+    "log_to": "live logging as well as log.jsonl: '' (none) or tensorboard",
+    "model": "overrides of the preset's model shape: the [model] table, or --set KEY=VALUE",
+}
+
+TABLES = ("train", "model")
+NOT_FLAGS = ("model", "skip_gates")  # set through --set KEY=VALUE and --skip-gate NAME
+NOT_SET = ("model", "skip_gates")  # not settable by --set (a table, a list)
+PER_RUN = ("preset", "data", "out", "init")  # a preset's recipe cannot name these
+
+
+def train_types() -> dict[str, Any]:
+    return field_types(TrainConfig)
+
+
+def train_table(table: dict, where: str) -> dict:
+    """A [train] table (of a --config file or a preset) checked key by key, strictly (TOML is typed)."""
+    types = {k: v for k, v in train_types().items() if k != "model"}
+    unknown = [k for k in table if k not in types]
+    if unknown:  # the model's keys belong in [model]: say so rather than "unknown"
+        k = unknown[0]
+        hint = " (it belongs in [model])" if k in field_types(ModelConfig) else suggest(k, types)
+        raise ConfigError(f"{where} [train]: unknown keys {unknown}{hint}; see docs/config.md")
+    return {k: check(types[k], v, f"{where} [train] {k}", strict=True) for k, v in table.items()}
+
+
 def load_toml(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        raw = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: invalid TOML ({e})") from None
-    out = dict(raw.get("train", {}))
-    if "model" in raw:
-        out["model"] = dict(raw["model"])
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = set(out) - known
-    if unknown:
-        raise ConfigError(f"{p}: unknown keys {sorted(unknown)}")
+    """A --config file's settings: its [train] keys, and its [model] table under "model", all checked."""
+    tables = toml_tables(read_toml(path, "config file"), TABLES, str(path))
+    out = train_table(tables["train"], str(path))
+    if tables["model"]:
+        out["model"] = model_table(tables["model"], str(path))
     return out
 
 
+def preset_train(name: str) -> dict:
+    """The recipe of preset `name`: its [train] table, checked (a preset cannot choose a preset)."""
+    path = f"training/presets/{name}.toml"
+    table = train_table(preset_tables(name)["train"], path)
+    own = [k for k in table if k in PER_RUN]
+    if own:
+        raise ConfigError(f"{path} [train]: a preset cannot set {own} (they belong to one run)")
+    return table
+
+
+def parse_sets(items: list[str]) -> tuple[dict, dict]:
+    """--set KEY=VALUE items as ([train] settings, [model] settings), each value parsed by its field's type."""
+    model_types = field_types(ModelConfig)
+    types = {k: v for k, v in train_types().items() if k not in NOT_SET}
+    train, model = {}, {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set n_layers=4")
+        if key in model_types:
+            model[key] = parse(model_types[key], text, f"--set {key}")
+        elif key in types:
+            train[key] = parse(types[key], text, f"--set {key}")
+        else:
+            raise ConfigError(f"--set {key} = {text!r}: unknown key {key!r}{suggest(key, [*model_types, *types])}; "
+                              f"--set takes a [model] key ({', '.join(model_types)}) or a [train] key (the flags)")
+    return train, model
+
+
 # ---------------------------------------------------------------------------------------------- CLI
-NOT_FLAGS = ("model", "skip_gates")  # set through --set KEY=VALUE and --skip-gate NAME
+def _arg_type(type_: Any) -> dict:
+    """argparse keywords that check a value of `type_` at parse time: choices for a Literal, else flag(T)."""
+    if get_origin(type_) is Literal:
+        return {"choices": list(get_args(type_))}
+    return {"type": flag(type_)}
 
 
 def add_train_flags(p: argparse.ArgumentParser, exclude: Container[str] = ()) -> argparse.ArgumentParser:
     """One flag per TrainConfig field (--max-steps, ...; booleans as --x/--no-x), plus --config, --skip-gate,
     --set, --force and --debug. `exclude`: fields the caller declares its own way (SFT's --data, --init).
     Every default is None, so config_from_args can tell a flag given from one left out."""
-    p.add_argument("--config", help="TOML file with [train] and [model] tables; CLI flags override it")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file with [train] and [model] tables: over the preset, under flags (docs/config.md)")
     defaults = TrainConfig()
+    types = train_types()
     for f in fields(TrainConfig):
         if f.name in NOT_FLAGS or f.name in exclude:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        name = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        help_ = HELP[f.name].replace("%", "%%")
         if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
-            p.add_argument(flag, type=type(default), default=None, help=f"(default: {default})")
-    p.add_argument("--skip-gate", action="append", default=None, metavar="NAME",
-                   help="skip a pre-flight gate by name (emergencies only; recorded loudly in gates.json)")
+            kw = _arg_type(types[f.name])
+            if f.name == "preset":  # a type, not choices: a near miss then gets a suggestion
+                kw["metavar"] = "{" + ",".join(preset_names()) + "}"
+            p.add_argument(name, default=None, help=f"{help_} (default: {default!r})", **kw)
+    p.add_argument("--skip-gate", action="append", default=None, metavar="NAME", type=flag(GateName),
+                   help=HELP["skip_gates"])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model config field, e.g. --set n_layers=4 (repeatable)")
+                   help="override a [model] or [train] key, e.g. --set n_layers=4 (repeatable; wins over flags)")
     p.add_argument("--force", action="store_true", help="start over in an out dir that holds another run")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
 
+def given_keys(args: argparse.Namespace) -> set[str]:
+    """The [train] keys a --config file or --set gives (what SFT's own defaults must not override)."""
+    keys = set(load_toml(args.config)) if getattr(args, "config", None) else set()
+    return keys | set(parse_sets(getattr(args, "set", []) or [])[0])
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """TrainConfig from parsed flags: the preset's defaults < --config TOML < flags."""
-    merged: dict = load_toml(args.config) if args.config else {}
-    for f in fields(TrainConfig):
-        v = getattr(args, f.name, None)
-        if v is not None and f.name not in NOT_FLAGS:
-            merged[f.name] = v
+    """TrainConfig from parsed flags: the preset's [train] < --config TOML < flags < --set."""
+    toml: dict = load_toml(args.config) if args.config else {}
+    flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+             if f.name not in NOT_FLAGS and getattr(args, f.name, None) is not None}
+    set_train, set_model = parse_sets(args.set)
+    name = set_train.get("preset", flags.get("preset", toml.get("preset", TrainConfig.preset)))
+    merged = {**preset_train(name), **toml, **flags, **set_train}
     if args.skip_gate:
         merged["skip_gates"] = list(merged.get("skip_gates", [])) + args.skip_gate
-    model = dict(merged.get("model", {}))
-    for kv in args.set:
-        k, _, v = kv.partition("=")
-        if not _:
-            raise ConfigError(f"--set expects KEY=VALUE, got {kv!r}")
-        try:
-            model[k] = json.loads(v) if v[:1] in "0123456789-[{tf" and v not in ("t", "f") else v
-        except json.JSONDecodeError:
-            raise ConfigError(f"--set {kv}: {v!r} is not a valid value") from None
-    merged["model"] = model
+    merged["model"] = {**toml.get("model", {}), **set_model}
     cfg = TrainConfig(**merged)
     if not cfg.data:
         raise ConfigError("--data is required (a folder written by `python -m training.prepare`)")
     if not cfg.out:
         raise ConfigError("--out is required (the run folder)")
-    return cfg.validate()
+    try:
+        return cfg.validate()
+    except SchemaError as e:
+        if not str(e).startswith(MODEL_ERROR):
+            raise
+        # a shape that does not fit together (d_model 512, n_heads 3): name where each override came from
+        src = {**{k: f"{args.config} [model] {k}" for k in toml.get("model", {})},
+               **{k: f"--set {k}" for k in set_model}}
+        given = "; ".join(f"{src[k]} = {v!r}" for k, v in cfg.model.items())
+        raise ConfigError(f"{e} (preset {cfg.preset}{'; ' + given if given else ''})") from None

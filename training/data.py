@@ -363,7 +363,7 @@ def pretraining_data(cfg: TrainConfig, d: Dist) -> TrainingData:
     data = Path(cfg.data)
     meta = read_meta(data)
     tok = Tokenizer.load(data / layout.TOKENIZER)
-    if meta.get("tokenizer_sha256") not in (None, tok.sha256):
+    if meta["tokenizer_sha256"] != tok.sha256:
         raise DataError(f"{data}/{layout.TOKENIZER} does not match the tokenizer recorded in {layout.DATA_META}")
     train_split, val_split = layout.SPLITS
     train = WindowLoader(TokenStream(data, train_split, vocab_size=tok.vocab_size, tokenizer_sha256=tok.sha256),
@@ -374,16 +374,26 @@ def pretraining_data(cfg: TrainConfig, d: Dist) -> TrainingData:
         if (vstream.n_tokens - 1) // cfg.seq_len >= d.world_size:  # every rank needs a window
             vloader = WindowLoader(vstream, cfg.seq_len, seed=0, shuffle=False, rank=d.rank, world_size=d.world_size)
             val = WindowValidation(vloader, cfg.batch_size, cfg.grad_accum)
-            vs = meta.get("splits", {}).get(val_split, {})
-            if vs.get("n_bytes") and vs.get("n_tokens"):
+            vs = meta["splits"].get(val_split, {})
+            if isinstance(vs.get("n_bytes"), int | float) and isinstance(vs.get("n_tokens"), int) and vs["n_tokens"] > 0:
                 bpt = vs["n_bytes"] / vs["n_tokens"]
-    report = _read_json(data / layout.DATA_REPORT) if (data / layout.DATA_REPORT).is_file() else None
+    report = None
+    if (data / layout.DATA_REPORT).is_file():  # optional; what the tokenizer gates read of it must be objects
+        report = _read_json(data / layout.DATA_REPORT, "data report")
+        for section in DATA_REPORT_SECTIONS:
+            if not isinstance(report.get(section, {}), dict):
+                raise DataError(f"{data / layout.DATA_REPORT}: data report: {section!r} must be an object")
     return TrainingData(train, val, bpt, tok, meta, report)
 
 
-def _read_json(path: Path) -> dict:
+# what training reads of a data folder's meta.json and report.json (training.prepare writes more)
+DATA_META_SCHEMA: layout.Schema = {"vocab_size": int, "tokenizer_sha256": str, "splits": dict}
+DATA_REPORT_SECTIONS = ("fertility", "gate_options")
+
+
+def _read_json(path: Path, what: str, **schema) -> dict:
     try:
-        return layout.read_json(path)
+        return layout.read_json(path, what, **schema)
     except layout.LayoutError as e:
         raise DataError(str(e)) from None
 
@@ -395,4 +405,8 @@ def read_meta(data_dir: Path) -> dict:
     if not (data_dir / layout.DATA_META).is_file():
         raise DataError(f"{data_dir} is not a prepared data directory (no {layout.DATA_META}); "
                         "run `python -m training.prepare`")
-    return _read_json(data_dir / layout.DATA_META)
+    meta = _read_json(data_dir / layout.DATA_META, "data meta", required=DATA_META_SCHEMA, version=layout.DATA_FORMAT)
+    for split, stats in meta["splits"].items():
+        if not isinstance(stats, dict):
+            raise DataError(f"{data_dir / layout.DATA_META}: data meta: splits.{split} must be an object")
+    return meta

@@ -13,6 +13,7 @@ A leaf: imports only the standard library, so every package may use it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 # a run folder
@@ -23,6 +24,7 @@ GATES = "gates.json"
 TOKENIZER = "tokenizer.model"
 CURVES = "curves.png"
 NONFINITE = "nonfinite.json"
+EARLY_STOP = "early_stop.json"  # written when validation stopped the run early (training.trainer)
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 
@@ -70,13 +72,58 @@ def run_config_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / RUN_CONFIG
 
 
-def read_json(path: str | Path, what: str = "JSON file") -> dict:
-    """A JSON object from `path`, or LayoutError naming the file and what is wrong with it."""
+# the format version each JSON file of ours carries, and the version this code reads
+RUN_FORMAT = ("prodip_run", 1)
+DATA_FORMAT = ("prodip_data", 1)
+STATE_FORMAT = ("prodip_format", 1)
+GATES_FORMAT = ("prodip_gates", 1)
+
+Schema = Mapping[str, type | tuple[type, ...]]  # required key -> its JSON type(s)
+_JSON_TYPE_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
+                    bool: "true/false"}
+
+
+def _type_ok(value: object, types: type | tuple[type, ...]) -> bool:
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool):  # JSON true/false is no number, though Python's bool is an int
+        return bool in types
+    if float in types and isinstance(value, int):
+        return True
+    return isinstance(value, types)
+
+
+def check_schema(obj: dict, where: str, what: str, required: Schema | None = None,
+                 version: tuple[str, int] | None = None) -> dict:
+    """`obj` (a JSON object read from `where`) against its required keys, their types and its format
+    version; LayoutError naming the file and the first problem otherwise."""
+    if version is not None:
+        key, supported = version
+        if key not in obj:
+            raise LayoutError(f"{where}: not a prodip {what} (no {key!r} format field); wrong file?")
+        if obj[key] != supported:
+            raise LayoutError(f"{where}: {what} format version {obj[key]!r}; this prodip reads version {supported}")
+    for key, types in (required or {}).items():
+        if key not in obj:
+            raise LayoutError(f"{where}: {what} lacks {key!r} (damaged, or not a prodip {what}?)")
+        if not _type_ok(obj[key], types):
+            want = " or ".join(_JSON_TYPE_NAMES.get(t, t.__name__) for t in (types if isinstance(types, tuple) else (types,)))
+            raise LayoutError(f"{where}: {what}: {key!r} must be {want}, not {type(obj[key]).__name__} "
+                              f"{json.dumps(obj[key])[:40]}")
+    return obj
+
+
+def read_json(path: str | Path, what: str = "JSON file", *, required: Schema | None = None,
+              version: tuple[str, int] | None = None) -> dict:
+    """A JSON object from `path`, or LayoutError naming the file and what is wrong with it: missing,
+    unreadable, empty, truncated / not JSON, not an object, and (when given) a missing required key,
+    a key of the wrong type, or another format version."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise LayoutError(f"{p}: {what} not found") from None
+    except IsADirectoryError:
+        raise LayoutError(f"{p}: {what} is a folder, not a file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise LayoutError(f"{p}: unreadable {what} ({e})") from None
     if not text.strip():
@@ -85,21 +132,26 @@ def read_json(path: str | Path, what: str = "JSON file") -> dict:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise LayoutError(f"{p}: {what} is not valid JSON (truncated or corrupted? {e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise LayoutError(f"{p}: {what} is nested too deeply to be ours") from None
     if not isinstance(obj, dict):
         raise LayoutError(f"{p}: {what} must hold a JSON object, not {type(obj).__name__}")
-    return obj
+    return check_schema(obj, str(p), what, required, version)
+
+
+RUN_CONFIG_SCHEMA: Schema = {"kind": str, "model": dict, "train": dict}
 
 
 def read_run_config(run_dir: str | Path) -> dict | None:
     """A run's configuration ({"prodip_run", "kind", "model", "train"}), or None if the folder holds none."""
     run = Path(run_dir)
     if (run / RUN_CONFIG).is_file():
-        return read_json(run / RUN_CONFIG, "run config")
+        return read_json(run / RUN_CONFIG, "run config", required=RUN_CONFIG_SCHEMA, version=RUN_FORMAT)
     legacy = run / LEGACY_RUN_CONFIG
     if legacy.is_file():
         cfg = read_json(legacy, "run config")
-        if "prodip_run" in cfg:
-            return cfg
+        if "prodip_run" in cfg:  # else a checkpoint-style model config: not a run's
+            return check_schema(cfg, str(legacy), "run config", RUN_CONFIG_SCHEMA, RUN_FORMAT)
     return None
 
 

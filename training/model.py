@@ -12,35 +12,56 @@ Parameter names follow Meta's Llama layout; `export.names` maps them to Hugging 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Annotated, Any, get_type_hints
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
+
+from training.schema import PositiveFloat, SchemaError, check, one_of, read_toml, reject_unknown, toml_tables
+
+# Upper bounds that no real model reaches: they turn a typo such as n_layers=10**9 into an error
+# before anything is allocated or written, instead of a crash (or an hour of swapping) later.
+MAX_DIM = 2**16  # d_model, ffn_dim, heads
+MAX_LAYERS = 1024
+MAX_VOCAB = 2**22
+MAX_CONTEXT = 2**20
+Dim = Annotated[int, Field(gt=0, le=MAX_DIM)]
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 8192
-    d_model: int = 512
-    n_layers: int = 8
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 1536
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    """The model's shape. Every field is checked on construction (types and ranges from the one schema,
+    training.schema), so a bad value fails here by name and never as a ZeroDivisionError deeper in."""
+
+    vocab_size: Annotated[int, Field(gt=0, le=MAX_VOCAB)] = 8192
+    d_model: Dim = 512
+    n_layers: Annotated[int, Field(gt=0, le=MAX_LAYERS)] = 8
+    n_heads: Dim = 8
+    n_kv_heads: Dim = 4
+    ffn_dim: Dim = 1536
+    max_seq_len: Annotated[int, Field(gt=0, le=MAX_CONTEXT)] = 512
+    rope_theta: PositiveFloat = 10000.0
+    norm_eps: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] = 1e-5
     tie_embeddings: bool = True
-    init_std: float = 0.02
+    init_std: PositiveFloat = 0.02
 
     def __post_init__(self) -> None:
+        for name, type_ in field_types(ModelConfig).items():
+            setattr(self, name, check(type_, getattr(self, name), f"model config {name}"))
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+            raise SchemaError(f"model config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+            raise SchemaError(f"model config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError("head_dim must be even for RoPE")
+            raise SchemaError(f"model config: head_dim = d_model / n_heads = {self.d_model // self.n_heads} "
+                              "must be even for RoPE")
 
     @property
     def head_dim(self) -> int:
@@ -51,34 +72,87 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        check(dict, d, "model config")
+        reject_unknown("model config key", d, field_types(cls))
         return cls(**d)
 
 
-# d_model and ffn_dim are multiples of 256 in every preset (tiny included, so tests quantize real
-# Q4_K_M), so llama.cpp's K-quants (256-wide super-blocks) apply without falling back to other types.
-PRESETS: dict[str, ModelConfig] = {
-    # tests: ~2 M params, trains in seconds on CPU
-    "tiny": ModelConfig(vocab_size=2048, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768,
-                        max_seq_len=256),
-    # CPU quickstart: ~17 M params (12.6 M non-embedding)
-    "small": ModelConfig(vocab_size=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1536,
-                         max_seq_len=512),
-    # the reference run's size, deep-and-thin as MobileLLM-350M / SmolLM2-360M: ~0.39 B params
-    "400m": ModelConfig(vocab_size=32768, d_model=1024, n_layers=32, n_heads=16, n_kv_heads=4, ffn_dim=2816,
-                        max_seq_len=2048),
-    # TinyLlama's shape: ~1.06 B params
-    "1b": ModelConfig(vocab_size=32768, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632,
-                      max_seq_len=2048),
-}
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """{field: its annotated type} of a config dataclass: the schema its values are checked against."""
+    hints = get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def model_table(table: dict, where: str) -> dict:
+    """A [model] table (a preset's, a --config file's) checked key by key, strictly: TOML is typed, so
+    `n_layers = "4"` or `n_layers = true` is a mistake. `where` names the file."""
+    types = field_types(ModelConfig)
+    reject_unknown("key", table, types, f"{where} [model]")
+    return {k: check(types[k], v, f"{where} [model] {k}", strict=True) for k, v in table.items()}
+
+
+# ------------------------------------------------------------------------------------------ presets
+# A preset is a recipe, training/presets/NAME.toml: a [model] table (the shape) and a [train] table
+# (the settings that preset wants where they differ from TrainConfig's defaults; training.config
+# reads and checks that one). d_model and ffn_dim are multiples of 256 in every preset (tiny
+# included, so tests quantize real Q4_K_M), so llama.cpp's K-quants (256-wide super-blocks) apply.
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+PRESET_TABLES = ("model", "train")
+
+
+@functools.cache
+def preset_names() -> tuple[str, ...]:
+    """Every shipped preset, smallest model first."""
+    names = [p.stem for p in PRESET_DIR.glob("*.toml")]
+    return tuple(sorted(names, key=lambda n: count_params(ModelConfig(**preset_tables(n)["model"]))))
+
+
+@functools.cache
+def preset_tables(name: str) -> dict[str, dict]:
+    """{"model": {...}, "train": {...}} of preset `name`, the [model] table checked (cached: read once)."""
+    path = PRESET_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise unknown_preset(name)
+    tables = toml_tables(read_toml(path, "preset"), PRESET_TABLES, str(path))
+    return {"model": model_table(tables["model"], str(path)), "train": tables["train"]}
+
+
+def unknown_preset(name: str) -> SchemaError:
+    try:
+        one_of("preset", name, preset_names())
+    except SchemaError as e:
+        return e
+    return SchemaError(f"preset {name!r} not found in {PRESET_DIR}")
+
+
+@functools.cache
+def _preset_config(name: str) -> ModelConfig:
+    return ModelConfig(**preset_tables(name)["model"])
+
+
+class _Presets(Mapping[str, ModelConfig]):
+    """PRESETS[name] -> that preset's ModelConfig, read from its TOML file on first use."""
+
+    def __getitem__(self, name: str) -> ModelConfig:
+        if name not in preset_names():
+            raise KeyError(name)
+        return _preset_config(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(preset_names())
+
+    def __len__(self) -> int:
+        return len(preset_names())
+
+
+PRESETS: Mapping[str, ModelConfig] = _Presets()
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    """A fresh ModelConfig of preset `name`, with `overrides` (checked like every ModelConfig)."""
+    if name not in preset_names():
+        raise unknown_preset(name)
     return ModelConfig.from_dict({**PRESETS[name].to_dict(), **overrides})
 
 
@@ -270,11 +344,3 @@ def count_params(cfg: ModelConfig, *, non_embedding: bool = False) -> int:
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     total = cfg.n_layers * block + d + emb + head
     return total - emb if non_embedding else total
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6N (forward+backward matmuls, N = non-embedding params plus the
-    output head) + the attention term 6 * n_layers * seq_len * d_attn (QK^T and AV; PaLM appendix B,
-    causal masking not discounted, as is conventional for MFU)."""
-    n = count_params(cfg, non_embedding=True) + cfg.vocab_size * cfg.d_model  # lm head matmul counts
-    return 6.0 * n + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim

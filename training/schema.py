@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from pydantic import Field, TypeAdapter, ValidationError
 
@@ -32,6 +39,9 @@ Port = Annotated[int, Field(ge=0, le=65535)]  # 0: let the OS pick a free port
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 
 
+VALUE_ERROR = "Value error, "  # how pydantic prefixes a ValueError raised by a validator
+
+
 class SchemaError(ValueError):
     """A value or name that the schema refuses; the message names its source and the value."""
 
@@ -40,7 +50,8 @@ def first_problem(e: ValidationError) -> str:
     """pydantic's first complaint in plain words, with the location inside nested values if any."""
     err = e.errors(include_url=False)[0]
     loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
-    return f"{loc}: {err['msg']}" if loc else err["msg"]
+    msg = err["msg"].removeprefix(VALUE_ERROR)  # our own validators' words need no pydantic prefix
+    return f"{loc}: {msg}" if loc else msg
 
 
 _ADAPTERS: dict[Any, TypeAdapter] = {}
@@ -53,11 +64,12 @@ def _adapter(type_: Any) -> TypeAdapter:
     return _ADAPTERS[key]
 
 
-def check(type_: Any, value: Any, where: str) -> Any:
+def check(type_: Any, value: Any, where: str, *, strict: bool = False) -> Any:
     """`value` (already a Python object: from TOML, JSON or code) checked against `type_`; `where`
-    names its source in the error, e.g. "[train] lr" or "--set n_heads"."""
+    names its source in the error, e.g. "[train] lr" or "--set n_heads". `strict`: no coercion (for
+    typed sources such as TOML, where `n_layers = true` or `lr = "3e-4"` is a mistake, not a number)."""
     try:
-        return _adapter(type_).validate_python(value)
+        return _adapter(type_).validate_python(value, strict=strict)
     except ValidationError as e:
         raise SchemaError(f"{where} = {value!r}: {first_problem(e)}") from None
 
@@ -81,6 +93,7 @@ def flag(type_: Any) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"{first_problem(e)} (got {text!r})") from None
 
     convert.__name__ = getattr(type_, "__name__", "value")  # argparse names the type in some messages
+    convert.schema_type = type_  # type: ignore[attr-defined]  # lets tests/test_hostile_sweep.py generate cases
     return convert
 
 
@@ -113,3 +126,33 @@ def reject_unknown(kind: str, given: Iterable[str], known: Iterable[str], where:
             prefix = f"{where}: " if where else ""
             raise SchemaError(f"{prefix}unknown {kind} {name!r}{suggest(name, known)}; "
                               f"known: {', '.join(sorted(known))}")
+
+
+# ------------------------------------------------------------------------------------------------ files
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file as a dict; SchemaError naming the file when it is missing, unreadable or not TOML."""
+    p = Path(path)
+    if not p.is_file():
+        raise SchemaError(f"{what} not found (or not a file): {p}")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise SchemaError(f"{p}: not a text file (not UTF-8); expected a TOML {what}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SchemaError(f"{p}: invalid TOML ({e})") from None
+
+
+def toml_tables(doc: dict[str, Any], known: Iterable[str], where: str) -> dict[str, dict[str, Any]]:
+    """{table: its keys} for each of `known` ({} when absent). An unknown table (`[trian]`) is refused
+    with the nearest name suggested; so is a key where a table belongs (`train = 5`), or a key
+    outside any table."""
+    known = list(known)
+    tables = ", ".join(f"[{t}]" for t in known)
+    for name, value in doc.items():
+        if name not in known and not isinstance(value, dict):
+            raise SchemaError(f"{where}: {name} = {value!r} is outside any table; put it in one of {tables}")
+        if name not in known:
+            raise SchemaError(f"{where}: unknown table [{name}]{suggest(name, known)}; known tables: {tables}")
+        if not isinstance(value, dict):
+            raise SchemaError(f"{where}: {name} = {value!r}: expected a table ([{name}] followed by its keys)")
+    return {t: dict(doc.get(t, {})) for t in known}

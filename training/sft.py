@@ -45,11 +45,12 @@ import torch
 
 from training import checkpoint as ckpt
 from training import layout
-from training.cli import guarded
-from training.config import ConfigError, TrainConfig, add_train_flags, load_toml
+from training.cli import ArgumentParser, run_main
+from training.config import ConfigError, TrainConfig, add_train_flags, given_keys
 from training.config import config_from_args as train_config_from_args
 from training.data import Row, collate
 from training.model import ModelConfig
+from training.schema import PositiveFloat, SchemaError, flag
 from training.sft_data import KIND, SFTData, SFTError
 from training.tokenizer import Tokenizer
 from training.trainer import RESUME_HINT, USER_ERRORS, Trainer
@@ -121,7 +122,8 @@ def default_lr(init: str) -> float:
     """SFT_LR_SCALE x the peak LR the --init checkpoint was trained with (FALLBACK_LR if unrecorded)."""
     c = ckpt.resolve(init)
     try:
-        lr = layout.read_json(c / layout.STATE, "checkpoint state").get("train", {}).get("lr")
+        train = layout.read_json(c / layout.STATE, "checkpoint state").get("train")
+        lr = train.get("lr") if isinstance(train, dict) else None
     except layout.LayoutError:
         lr = None
     return float(lr) * SFT_LR_SCALE if isinstance(lr, (int, float)) and lr > 0 else FALLBACK_LR
@@ -185,24 +187,24 @@ def compare_heldout(init_dir: Path, out: Path, data: SFTData, cfg: TrainConfig) 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the training loop (training.config.add_train_flags), with SFT's own --data, --init
     and --epochs."""
-    p = argparse.ArgumentParser(prog="python training/sft.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="SFT defaults (instead of the pretraining ones shown above): "
-                                       + ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in SFT_DEFAULTS.items())
-                                       + f", --lr {SFT_LR_SCALE:.3g} x the --init run's (else {FALLBACK_LR:g})"
-                                       + ", --seq-len: the --init model's max_seq_len")
+    p = ArgumentParser(prog="python training/sft.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="SFT defaults (instead of the pretraining ones shown above): "
+                              + ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in SFT_DEFAULTS.items())
+                              + f", --lr {SFT_LR_SCALE:.3g} x the --init run's (else {FALLBACK_LR:g})"
+                              + ", --seq-len: the --init model's max_seq_len")
     add_train_flags(p, exclude=("data", "init"))
     p.add_argument("--data", action="append", required=True, metavar="FILE.jsonl",
                    help="conversations (messages / Alpaca / ShareGPT JSONL); repeatable")
     p.add_argument("--init", required=True, metavar="RUN_OR_CHECKPOINT", help="the pretrained weights to fine-tune")
-    p.add_argument("--epochs", type=float, default=None,
+    p.add_argument("--epochs", type=flag(PositiveFloat), default=None,
                    help=f"passes over the training conversations (default {DEFAULT_EPOCHS:g} unless --max-steps/--max-tokens)")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, float | None]:
-    """(TrainConfig, epochs or None). Precedence: SFT defaults < TOML < flags, as in train.py."""
-    toml_keys = set(load_toml(args.config)) if args.config else set()
+    """(TrainConfig, epochs or None). Precedence: SFT defaults < TOML < flags < --set, as in train.py."""
+    toml_keys = given_keys(args)  # the --config file's [train] keys and --set's
     ns = copy.copy(args)
     ns.data = os.pathsep.join(args.data)
     for k, v in SFT_DEFAULTS.items():
@@ -220,20 +222,17 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, float | Non
     if epochs is None and not steps_given:
         epochs = DEFAULT_EPOCHS
     if epochs is not None:
-        if epochs <= 0:
-            raise ConfigError("--epochs must be > 0")
         ns.max_steps = 1  # placeholder for validation; run_sft derives the real count from the data
     return train_config_from_args(ns), epochs
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def go() -> None:
+    def go(args: argparse.Namespace) -> None:
         cfg, epochs = config_from_args(args)
         run_sft(cfg, force=args.force, epochs=epochs)
 
-    return guarded(go, debug=args.debug, errors=(*USER_ERRORS, SFTError), interrupted_hint=RESUME_HINT)
+    return run_main(build_parser(), argv, go, errors=(*USER_ERRORS, SchemaError, SFTError),
+                    interrupted_hint=RESUME_HINT)
 
 
 if __name__ == "__main__":

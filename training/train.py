@@ -17,17 +17,18 @@ import argparse
 import os
 import sys
 
-from training.cli import guarded
+from training.cli import ArgumentParser, run_main
 from training.config import TrainConfig, add_train_flags, config_from_args
 from training.data import pretraining_data
 from training.model import Transformer
 from training.schedule import lr_at
+from training.schema import SchemaError
 from training.trainer import RESUME_HINT, USER_ERRORS, Trainer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python training/train.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python training/train.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_train_flags(p)
 
 
@@ -40,12 +41,10 @@ def train(cfg: TrainConfig, *, force: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-
-    def go() -> None:
+    def go(args: argparse.Namespace) -> None:  # every flag, TOML key and --set value is checked first
         train(config_from_args(args), force=args.force)
 
-    return guarded(go, debug=args.debug, errors=USER_ERRORS, interrupted_hint=RESUME_HINT)
+    return run_main(build_parser(), argv, go, errors=(*USER_ERRORS, SchemaError), interrupted_hint=RESUME_HINT)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,25 @@
     Trainer(cfg, pretraining_data).run()                       training/train.py
     Trainer(cfg, sft_data.training_data, kind="sft").run()     training/sft.py
 
-Running the same command again resumes from the newest complete checkpoint, exactly: the data
-position, optimizer moments, schedule and RNG states are restored, and log.jsonl continues as if the
-run had never stopped. Pre-flight gates (training.gates) must pass before step 1. Each phase is one
-method and what outlives a step lives on the object, so later work (prefetched batches, asynchronous
-checkpoints, SIGTERM handling) replaces a method rather than rewriting the loop.
+Running the same command again resumes from the newest checkpoint, exactly: the data position,
+optimizer moments, schedule and RNG states are restored, and log.jsonl continues as if the run had
+never stopped. A checkpoint with any of those missing or unreadable is refused, naming the file;
+`--reset-optimizer` resumes it with fresh optimizer moments instead, and log.jsonl records that.
+Pre-flight gates (training.gates) must pass before step 1.
+
+Nothing is written until everything is checked: configuration, data, the model (and --init), the run
+folder and the whole resume source are read and validated first, and the pre-flight gates pass; only
+then does `commit()` write run.json, the tokenizer, gates.json and log.jsonl. A run that fails before
+step 1 leaves an existing run folder byte-identical (a failed gate report goes to a folder that holds
+no run yet, so the user can read it; a new attempt may reuse such a folder).
+
+Early stopping (--early-stop-patience N): after N evaluations without a new best validation loss the
+run stops; every new best is checkpointed (and never pruned), the checkpoints after it are removed,
+so the newest checkpoint, the one export and serving take, is the best one. RUN_DIR/early_stop.json
+and a log.jsonl event record the decision; running the same command again then has nothing to do.
+
+Each phase is one method and what outlives a step lives on the object, so later work (prefetched
+batches, asynchronous checkpoints, SIGTERM handling) replaces a method rather than rewriting the loop.
 """
 
 from __future__ import annotations
@@ -28,13 +42,19 @@ from training import distributed as D
 from training import gates, layout, optim
 from training.config import ConfigError, TrainConfig
 from training.data import Batch, DataError, TrainingData
-from training.metrics import StepLog, Throughput, fmt_duration, peak_flops
-from training.model import Transformer, count_params, flops_per_token
+from training.metrics import StepLog, Throughput, flops_per_token, fmt_duration, mfu_flops, peak_flops
+from training.model import Transformer, count_params
 from training.schedule import lr_at
+from training.schema import SchemaError
 from training.tokenizer import TokenizerError
+from training.tracking import open_tracker
 
 DataFactory = Callable[[TrainConfig, D.Dist], TrainingData]
 RESUME_HINT = "interrupted; resume by running the same command again"
+# what a start that failed before commit() can leave in a run folder (a failed gate report; or, if it
+# was killed mid-commit, the files written before run.json): such a folder holds no run yet
+FAILED_START_LEFTOVERS = frozenset({layout.GATES, layout.LOG, layout.TOKENIZER, layout.NONFINITE, layout.EARLY_STOP,
+                                    layout.RUN_CONFIG + ".tmp"})
 
 
 class TrainError(ValueError):
@@ -42,17 +62,17 @@ class TrainError(ValueError):
 
 
 # what a training CLI turns into one `error:` line and exit 2 (OSError: a full disk, a missing path)
-USER_ERRORS = (ConfigError, DataError, TokenizerError, ckpt.CheckpointError, gates.GateError, layout.LayoutError,
-               TrainError, OSError)
+USER_ERRORS = (ConfigError, SchemaError, DataError, TokenizerError, ckpt.CheckpointError, gates.GateError,
+               layout.LayoutError, TrainError, OSError)
 
 
 def pick_device(name: str, d: D.Dist) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
-    if name == "cuda":
+    if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda but no CUDA device is available")
-        return torch.device("cuda", d.local_rank)
+            raise ConfigError(f"--device {name} but no CUDA device is available")
+        return torch.device("cuda", d.local_rank) if name == "cuda" else torch.device(name)
     if name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("--device mps but MPS is not available")
     return torch.device(name)
@@ -96,14 +116,26 @@ class Trainer:
         self.elapsed_before = 0.0  # seconds spent in earlier sessions of a resumed run
         self.last_val: dict | None = None
         self.last_record: dict | None = None
+        self.holds_run = self.start_over = False  # what check_run_dir found in RUN_DIR
+        self.gate_report: gates.GateReport | None = None
+        self.reset_record: dict | None = None  # the log.jsonl event of a --reset-optimizer resume
+        # early stopping: best validation so far, kept in every checkpoint's state.json for an exact resume
+        self.patience = int(getattr(cfg, "early_stop_patience", 0) or 0)
+        self.best: dict = {"val_loss": None, "step": 0, "evals_since": 0}
+        self.early_stopped: dict | None = None  # this session's early_stop record
+        self.stopped_before: dict | None = None  # RUN_DIR/early_stop.json of an earlier session: nothing to do
 
     def run(self) -> dict:
         """Run (or resume) training; returns a summary dict."""
         cfg = self.cfg
-        self.dist = D.setup("cuda" if cfg.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu")
+        self.dist = D.setup("cuda" if (cfg.device == "auto" or cfg.device.startswith("cuda"))
+                            and torch.cuda.is_available() else "cpu")
         try:
             self.setup()
+            if self.stopped_before is not None:
+                return self.already_stopped()
             self.preflight()
+            self.commit()
             self.train_loop()
             return self.summary()
         finally:
@@ -117,7 +149,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Device, data, run folder, model (+ wrap, compile), optimizer, and the resume, if any."""
+        """Device, data, model config, the run folder and resume source, model (+ wrap, compile),
+        optimizer, and the resume, if any: all read and checked, nothing written."""
         cfg, d = self.cfg, self.dist
         self.device = pick_device(cfg.device, d)
         torch.manual_seed(cfg.seed)
@@ -128,10 +161,17 @@ class Trainer:
         self.model_cfg = cfg.model_config(self.data.tokenizer.vocab_size)
         if cfg.seq_len > self.model_cfg.max_seq_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {self.model_cfg.max_seq_len}")
+        if self.patience and not (self.data.val and cfg.eval_every):
+            raise ConfigError(f"--early-stop-patience {self.patience} needs validation: --eval-every > 0 and a "
+                              f"validation split in {cfg.data}")
+        if self.log_options():  # --log-to: its package is there (nothing is opened or written yet)
+            try:
+                open_tracker(self.log_options()["log_to"], self.out)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         resume_from = self.check_run_dir()
-        d.barrier()  # every rank has read the run folder before rank 0 writes into it
-        self.write_run_config()
-        d.barrier()
+        if self.stopped_before is not None:
+            return
         self.build_model(init_weights=resume_from is None)
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * d.world_size
         self.total_steps = cfg.max_steps or math.ceil(cfg.max_tokens / self.tokens_per_step)
@@ -141,56 +181,90 @@ class Trainer:
         self.say(f"prodip {self.kind}: {count_params(self.model_cfg) / 1e6:.1f} M params "
                  f"({count_params(self.model_cfg, non_embedding=True) / 1e6:.1f} M non-embedding), {d.world_size}x "
                  f"{gpu_name}, {self.tokens_per_step:,} tokens/step, {self.total_steps:,} steps, {mode}")
-        self.log = StepLog(self.out / layout.LOG, enabled=d.is_main)
         self.resumed = resume_from is not None
         if resume_from is not None:
             self.resume(resume_from)
-        elif d.is_main:
-            self.log.truncate_after(0)
         self.monitor = gates.RuntimeMonitor(cfg)
 
     def check_run_dir(self) -> Path | None:
-        """Check RUN_DIR against this run; returns the checkpoint to resume from (or None)."""
-        out, d = self.out, self.dist
+        """Check RUN_DIR against this run (reading only); returns the checkpoint to resume from (or None)."""
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise TrainError(f"--out {out} is a file, not a run folder; use another --out")
         try:
             old = layout.read_run_config(out)
         except layout.LayoutError as e:
             raise TrainError(f"unreadable run folder: {e}; use another --out or --force") from None
+        self.holds_run = old is not None or (out / layout.CHECKPOINTS).exists()
         if old is not None and old.get("model") != self.model_cfg.to_dict():
             if not self.force:
                 was = old.get("model") or {}
                 diff = {k: (was.get(k), v) for k, v in self.model_cfg.to_dict().items() if was.get(k) != v}
                 raise TrainError(f"{out} holds a run with another model config {diff} (old, new); "
                                  "use another --out, or --force to start over there")
-            if d.is_main:
-                shutil.rmtree(out / layout.CHECKPOINTS, ignore_errors=True)
-                (out / layout.LOG).unlink(missing_ok=True)
-            d.barrier()
+            self.start_over = True  # its checkpoints and log are removed by commit(), once all is checked
             return None
-        if old is None and out.exists() and any(out.iterdir()) and not self.force \
-                and not (out / layout.CHECKPOINTS).exists():
-            raise TrainError(f"{out} exists and is not a prodip run folder; use another --out or --force")
+        if old is None and out.is_dir() and not self.force and not (out / layout.CHECKPOINTS).exists():
+            foreign = sorted(p.name for p in out.iterdir() if p.name not in FAILED_START_LEFTOVERS)
+            if foreign:
+                more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+                raise TrainError(f"{out} exists and is not a prodip run folder (it holds {foreign[0]!r}{more}); "
+                                 "use another --out or --force")
         latest = ckpt.latest(out)
         if latest is None:
             return None
-        st = layout.read_json(latest / ckpt.STATE_FILE, "checkpoint state")
-        ckpt.check_readable(latest)  # a truncated checkpoint fails here, before run.json is rewritten
-        if st.get("tokenizer_sha256") != self.data.tokenizer.sha256:
+        st = ckpt.read_state(latest, ckpt.RESUME_STATE_SCHEMA)
+        if not (latest / ckpt.MODEL_FILE).is_file():
+            raise ckpt.CheckpointError(f"cannot resume {latest}: {latest / ckpt.MODEL_FILE} (the model weights) "
+                                       "not found; delete that checkpoint to resume from the one before")
+        ckpt.check_readable(latest)  # headers only, cheap: a truncated file fails before anything is loaded
+        if st["tokenizer_sha256"] != self.data.tokenizer.sha256:
             raise TrainError(f"cannot resume {latest}: it was trained with another tokenizer than "
                              f"{self.cfg.data}/{layout.TOKENIZER} (data prepared with a different tokenizer); "
                              "use the original data or another --out")
+        if self.patience and (out / layout.EARLY_STOP).is_file():
+            rec = layout.read_json(out / layout.EARLY_STOP, "early-stop record",
+                                   required={"step": int, "best_step": int, "patience": int})
+            # from the best checkpoint, a patience no larger than the one that stopped stops there again
+            if ckpt.step_of(latest) == rec["best_step"] and self.patience <= rec["patience"]:
+                self.stopped_before = rec
         return latest
+
+    def log_options(self) -> dict:
+        log_to = getattr(self.cfg, "log_to", "")
+        return {"log_to": log_to} if log_to else {}
+
+    def commit(self) -> None:
+        """Write the run folder, now that everything is checked: rank 0 alone; run.json atomically and
+        after the tokenizer. With --force over another run, its checkpoints and log go first."""
+        d = self.dist
+        d.barrier()  # every rank has read the run folder before rank 0 writes into it
+        if d.is_main:
+            if self.start_over:
+                shutil.rmtree(self.out / layout.CHECKPOINTS, ignore_errors=True)
+                (self.out / layout.LOG).unlink(missing_ok=True)
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / layout.EARLY_STOP).unlink(missing_ok=True)  # training on: an old early stop no longer holds
+            if self.gate_report is not None:
+                self.gate_report.save(self.out / layout.GATES)
+            self.write_run_config()
+        self.log = StepLog(self.out / layout.LOG, enabled=d.is_main, **self.log_options())
+        self.log.truncate_after(self.step)  # 0 for a fresh run: records of an attempt that never saved go
+        if self.reset_record is not None:
+            self.log.write(self.reset_record)
+        d.barrier()
 
     def write_run_config(self) -> None:
         """RUN_DIR/run.json (the model and the recipe) and the tokenizer: rank 0, atomically."""
         if not self.dist.is_main:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        run_cfg = {"prodip_run": 1, "kind": self.kind, "model": self.model_cfg.to_dict(), "train": self.cfg.to_dict()}
+        self.data.tokenizer.save(self.out / layout.TOKENIZER)
+        key, version = layout.RUN_FORMAT
+        run_cfg = {key: version, "kind": self.kind, "model": self.model_cfg.to_dict(), "train": self.cfg.to_dict()}
         tmp = self.out / (layout.RUN_CONFIG + ".tmp")  # a kill mid-write must not leave an unreadable run.json
         tmp.write_text(json.dumps(run_cfg, indent=2, ensure_ascii=False))
         os.replace(tmp, layout.run_config_path(self.out))
-        self.data.tokenizer.save(self.out / layout.TOKENIZER)
 
     def build_model(self, init_weights: bool) -> None:
         """The model in its three views, and the optimizer. Three, because each job needs another:
@@ -222,16 +296,49 @@ class Trainer:
         return optim.make_optimizer(module, self.cfg, self.device)
 
     def resume(self, path: Path) -> None:
+        """Load the checkpoint into the model, optimizer, data position, RNG and counters: exactly, or
+        CheckpointError naming the file and what is wrong. Nothing is written here."""
         ck = ckpt.load(path)
-        optim_tensors, rng = ck.optimizer_and_rng()
-        optim_sd = ckpt.unflatten_optimizer(optim_tensors, ck.state["optimizer_param_groups"], None)
-        D.load_full_state(self.wrapped, self.optimizer, ck.weights, optim_sd)
-        self.data.train.load_state_dict(ck.state["data"])
-        optim.set_rng_state(rng, self.device)
-        self.step = self.saved_step = ck.state["step"]
-        self.tokens = ck.state["tokens"]
-        self.elapsed_before = ck.state.get("elapsed_s", 0.0)
-        self.log.truncate_after(self.step)
+        state = ckpt.read_state(path, ckpt.RESUME_STATE_SCHEMA)
+        if ck.config.to_dict() != self.model_cfg.to_dict():
+            raise ckpt.CheckpointError(f"cannot resume {path}: its {ckpt.CONFIG_FILE} differs from the run's "
+                                       "model config")
+        ckpt.check_fits(self.model, ck.weights, path / ckpt.MODEL_FILE)
+        reset = bool(getattr(self.cfg, "reset_optimizer", False))
+        optim_sd, rng, problem = None, {}, None
+        try:
+            optim_tensors, rng = ck.optimizer_and_rng(strict=True)
+            groups = state.get("optimizer_param_groups")
+            if not isinstance(groups, list):
+                raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: no optimizer_param_groups")
+            ckpt.check_optimizer_fits(self.trainable, optim_tensors, rng, path / ckpt.OPTIM_FILE)
+            optim_sd = ckpt.unflatten_optimizer(optim_tensors, groups, None)
+        except ckpt.CheckpointError as e:
+            if not reset:
+                raise ckpt.CheckpointError(f"cannot resume {path} exactly: {e}; --reset-optimizer resumes it with "
+                                           "fresh optimizer moments (recorded in log.jsonl)") from None
+            problem, rng = str(e), {}
+        try:
+            D.load_full_state(self.wrapped, None if reset else self.optimizer, ck.weights, optim_sd)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ckpt.CheckpointError(f"cannot resume {path}: its optimizer state does not fit ({e})") from None
+        try:
+            self.data.train.load_state_dict(state["data"])
+        except (KeyError, TypeError) as e:
+            raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: damaged data position ({e!r})") from None
+        if rng:
+            optim.set_rng_state(rng, self.device)
+        self.step = self.saved_step = state["step"]
+        self.tokens = state["tokens"]
+        elapsed = state.get("elapsed_s", 0.0)
+        self.elapsed_before = float(elapsed) if isinstance(elapsed, int | float) else 0.0
+        best = state.get("early_stop")
+        if isinstance(best, dict) and set(best) == set(self.best):
+            self.best = dict(best)
+        if reset:
+            self.reset_record = {"event": "reset_optimizer", "step": self.step,
+                                 "reason": problem or "requested (--reset-optimizer)", "rng_restored": bool(rng)}
+            self.say(f"warning: resuming {path} with fresh optimizer moments: {self.reset_record['reason']}")
         self.say(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)")
 
     # -------------------------------------------------------------------------------- preflight
@@ -253,10 +360,14 @@ class Trainer:
                 "all_ranks", False, value=float(len(failed_ranks)), threshold="0",
                 detail=f"pre-flight gates failed on rank(s) {failed_ranks}; see their errors"))
         if d.is_main:
-            report.save(self.out / layout.GATES)
             self.say(report.table())
         if not report.passed:
+            # the report is the user's to read; a folder that holds a run keeps its own gates.json
+            if d.is_main and not self.holds_run:
+                self.out.mkdir(parents=True, exist_ok=True)
+                report.save(self.out / layout.GATES)
             raise gates.GateError(report)
+        self.gate_report = report  # written by commit()
         self.say(report.summary())
 
     # ------------------------------------------------------------------------------------- loop
@@ -265,7 +376,7 @@ class Trainer:
         if self.device.type == "cuda":  # peak_mem_gb in log.jsonl: the training steps' peak, not the gates'
             torch.cuda.reset_peak_memory_stats(self.device)
         # the clock starts here: tokens/s and elapsed_s measure training steps, not set-up and gates
-        self.throughput = Throughput(self.flops_per_token, self.peak_flops, self.dist.world_size,
+        self.throughput = Throughput(mfu_flops(self.model_cfg, cfg.seq_len), self.peak_flops, self.dist.world_size,
                                      cfg.gpu_hourly_usd)
         self.throughput.elapsed_before = self.elapsed_before
         self.throughput.update(self.tokens)
@@ -281,21 +392,71 @@ class Trainer:
             self.tokens += self.tokens_per_step
             self.throughput.update(self.tokens)
             rec = self.record(result)
+            new_best = evaluated = False
             if self.data.val and cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.total_steps):
                 self.last_val = self.validate()
                 rec.update(self.last_val)
+                new_best, evaluated = self.track_best(self.last_val["val_loss"]), True
             self.log.write(rec)
             self.last_record = rec
             if self.step % cfg.log_every == 0 or self.step == self.total_steps or self.step == start + 1:
                 self.say(self.progress_line(rec))
+            if evaluated and self.patience and self.best["evals_since"] >= self.patience:
+                self.stop_early()
+                return
             stopping = cfg.stop_at and self.step >= cfg.stop_at
-            if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == self.total_steps or stopping:
+            if ((cfg.save_every and self.step % cfg.save_every == 0) or self.step == self.total_steps or stopping
+                    or (new_best and self.patience)):
                 self.save()
             if stopping:
                 self.say(f"stopping at step {self.step} (--stop-at); run the same command without it to continue")
                 break
         if self.step > self.saved_step:  # the last step's batch was skipped (non-finite/spike): still end on a checkpoint
             self.save()
+
+    # ------------------------------------------------------------------------------- early stop
+    def track_best(self, val_loss: float) -> bool:
+        """Update the best validation loss so far; True when `val_loss` is a new best."""
+        b = self.best
+        if b["val_loss"] is None or val_loss < b["val_loss"]:
+            b.update(val_loss=val_loss, step=self.step, evals_since=0)
+            return True
+        b["evals_since"] += 1
+        return False
+
+    def stop_early(self) -> None:
+        """`patience` evaluations without a new best: stop here. The checkpoints after the best one are
+        removed, so the newest checkpoint is the best; early_stop.json and log.jsonl say so."""
+        b, d = self.best, self.dist
+        best_ckpt = self.out / layout.CHECKPOINTS / ckpt.step_dir_name(b["step"])
+        kept = best_ckpt.is_dir()  # False only if early stopping was switched on mid-run, after the best step
+        removed = []
+        if d.is_main and kept:
+            for c in ckpt.list_checkpoints(self.out):
+                if ckpt.step_of(c) > b["step"]:
+                    ckpt.remove(c)
+                    removed.append(c.name)
+        rec = {"event": "early_stop", "step": self.step, "best_step": b["step"], "best_val_loss": b["val_loss"],
+               "patience": self.patience, "best_checkpoint": best_ckpt.name if kept else None,
+               "removed_checkpoints": removed}
+        if d.is_main:
+            tmp = self.out / (layout.EARLY_STOP + ".tmp")
+            tmp.write_text(json.dumps(rec, indent=2) + "\n")
+            os.replace(tmp, self.out / layout.EARLY_STOP)
+            self.log.write(rec)
+        d.barrier()
+        self.early_stopped = rec
+        where = (f"checkpoint {best_ckpt.name} is now the newest" if kept else
+                 "no checkpoint of that step exists (early stopping was switched on later); the newest is kept")
+        self.say(f"early stop at step {self.step}: no better validation loss in {self.patience} evaluations; best "
+                 f"{b['val_loss']:.4f} at step {b['step']}; {where}")
+
+    def already_stopped(self) -> dict:
+        rec = self.stopped_before or {}
+        self.say(f"{self.out} already stopped early at step {rec['step']} (best validation at step "
+                 f"{rec['best_step']}, its newest checkpoint) with patience {rec['patience']}; nothing to do. To "
+                 "train on from there, run with --early-stop-patience 0 or a larger patience")
+        return {"step": rec["best_step"], "run_dir": str(self.out), "early_stop": rec}
 
     def train_step(self) -> StepResult:
         """Forward/backward over grad_accum micro-batches; gradients accumulated, not yet applied."""
@@ -378,7 +539,7 @@ class Trainer:
         """The step's log.jsonl record (validation is added by the loop)."""
         thr = self.throughput
         rec = {"step": self.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens": self.tokens,
-               "tokens_per_s": _num(thr.tokens_per_s), "mfu": thr.mfu, "elapsed_s": round(thr.elapsed, 3)}
+               "tokens_per_s": _num(thr.tokens_per_s), **thr.mfu_fields(), "elapsed_s": round(thr.elapsed, 3)}
         if self.device.type == "cuda":
             rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
         if r.spike_z:
@@ -411,15 +572,20 @@ class Trainer:
             tensors, groups = ckpt.flatten_optimizer(optim_sd, [])
             state = {"kind": self.kind, "tokens": self.tokens, "elapsed_s": self.throughput.elapsed,
                      "data": self.data.train.state_dict(), "optimizer_param_groups": groups,
-                     "world_size": d.world_size, "train": self.cfg.to_dict()}
+                     "world_size": d.world_size, "train": self.cfg.to_dict(), "early_stop": dict(self.best)}
             ckpt.save(self.out, self.step, weights=ckpt.weights_for_save(weights, self.model_cfg), cfg=self.model_cfg,
                       tokenizer=self.data.tokenizer, optim_tensors=tensors, rng=optim.rng_state(self.device),
-                      state=state, keep_last=self.cfg.keep_last)
+                      state=state, keep_last=self.cfg.keep_last, keep={self.best["step"]} if self.patience else ())
         d.barrier()
         self.saved_step = self.step
 
     def summary(self) -> dict:
         elapsed = self.throughput.elapsed
         self.say(f"done: {self.step} steps, {self.tokens:,} tokens in {fmt_duration(elapsed)}; run folder {self.out}")
-        return {"step": self.step, "tokens": self.tokens, "elapsed_s": elapsed, "run_dir": str(self.out),
-                "final_loss": self.last_record["loss"] if self.last_record else None, **(self.last_val or {})}
+        out = {"step": self.step, "tokens": self.tokens, "elapsed_s": elapsed, "run_dir": str(self.out),
+               "final_loss": self.last_record["loss"] if self.last_record else None, **(self.last_val or {})}
+        if self.best["val_loss"] is not None:
+            out["best_val_loss"], out["best_step"] = self.best["val_loss"], self.best["step"]
+        if self.early_stopped is not None:
+            out["early_stop"] = self.early_stopped
+        return out

@@ -9,12 +9,14 @@ through `export.evaluate`), so quantization loss shows up as a bits-per-byte del
     text.py       windows, span scoring, LMStats (bits per byte/char), documents by language
     twin.py       the random-init twin and its gate
     mc.py         multiple-choice formats, scoring, Wilson interval, chance
+    generate.py   greedy answers to prompts, scored for Bengali well-formedness (training.wellformed)
     request.py    what to score, and one model scored on it
     report.py     eval.json / eval.md / eval.png and the model-card section
     cli.py        python -m training.evaluate
 """
 
 from training.evaluate.cli import add_common_args, build_parser, check_common_args, main
+from training.evaluate.generate import GEN_TOKENS, PROMPTS, Generator, generate_wellformed, read_prompts
 from training.evaluate.mc import (
     SCORE_KINDS,
     MCItem,
@@ -60,8 +62,8 @@ from training.evaluate.twin import (
 )
 
 __all__ = [
-    "ALL", "OUTPUT_FILES", "SCORE_KINDS", "TWIN_MARGIN", "TWIN_SEED",
-    "EvalError", "EvalRequest", "LMStats", "LogProbProvider", "MCItem", "MCScores", "Span", "TorchProvider", "TwinNLL",
+    "ALL", "GEN_TOKENS", "OUTPUT_FILES", "PROMPTS", "SCORE_KINDS", "TWIN_MARGIN", "TWIN_SEED",
+    "EvalError", "EvalRequest", "Generator", "generate_wellformed", "read_prompts", "LMStats", "LogProbProvider", "MCItem", "MCScores", "Span", "TorchProvider", "TwinNLL",
     "add_common_args", "add_deltas", "build_parser", "build_request", "chance_rate", "check_common_args",
     "evaluate_lm", "evaluate_model", "expand_mc_paths", "join_choice", "load_mc", "main", "make_report", "make_twin",
     "mc_set_name", "nll_twin", "parse_mc_record", "read_text_docs", "render_chart", "render_markdown", "score_mc",

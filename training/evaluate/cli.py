@@ -1,6 +1,7 @@
 """`python -m training.evaluate RUN_OR_CHECKPOINT [--text FILE ...] [--mc FILE_OR_DIR ...] [--limit N]`
 
-Scores a checkpoint and its random-init twin; writes eval.json, eval.md and eval.png (RUN/eval by
+Scores a checkpoint and its random-init twin (bits per byte, multiple choice, and the well-formedness
+of greedy answers to --prompts, the demo's examples by default); writes eval.json, eval.md and eval.png (RUN/eval by
 default) and, for a run, a section of the model card RUN/export/README.md when that file exists.
 `add_common_args`/`check_common_args` are shared with `python -m export.evaluate`.
 """
@@ -15,7 +16,9 @@ import torch
 
 from training import layout
 from training.checkpoint import load_model
-from training.cli import guarded
+from training.cli import ArgumentParser, run_main
+from training.config import Device
+from training.evaluate.generate import GEN_TOKENS, PROMPTS, read_prompts
 from training.evaluate.providers import EvalError, TorchProvider
 from training.evaluate.report import OUTPUT_FILES, make_report, render_markdown, update_card, write_outputs
 from training.evaluate.request import build_request, evaluate_model
@@ -23,8 +26,10 @@ from training.evaluate.text import ALL, MAX_DOC_CHARS
 from training.evaluate.twin import TWIN_MARGIN, TWIN_SEED, make_twin, twin_result
 from training.gates.result import GateResult
 from training.prepare.decontam import status_for
+from training.schema import NonNegFloat, NonNegInt, PositiveInt, Seed, check, flag
 
 EVAL_DIR = "eval"  # RUN/eval holds a checkpoint's OUTPUT_FILES
+PROMPT_FORMATS = ("auto", "chat", "plain")  # auto: chat for an SFT run, plain text otherwise
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -33,12 +38,12 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                     help='UTF-8 text files for bits per byte (.json/.jsonl: records with a "text" field)')
     ap.add_argument("--mc", nargs="+", default=[], metavar="FILE",
                     help="multiple-choice files (llm-foundry JSONL, Winogrande, HellaSwag, Okapi ARC) or folders of them")
-    ap.add_argument("--limit", type=int, default=None, metavar="N",
+    ap.add_argument("--limit", type=flag(PositiveInt), default=None, metavar="N",
                     help="at most N items per multiple-choice file and N text documents")
     ap.add_argument("--out", default=None, metavar="DIR", help="where eval.json/eval.md/eval.png go")
     ap.add_argument("--force", action="store_true", help="overwrite earlier results and the card section")
-    ap.add_argument("--max-doc-chars", type=int, default=MAX_DOC_CHARS, help="document size for text scoring")
-    ap.add_argument("--stride", type=int, default=None, help="window stride for long documents (default n_ctx/2)")
+    ap.add_argument("--max-doc-chars", type=flag(PositiveInt), default=MAX_DOC_CHARS, help="document size for text scoring")
+    ap.add_argument("--stride", type=flag(PositiveInt), default=None, help="window stride for long documents (default n_ctx/2)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -51,17 +56,24 @@ def check_common_args(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m training.evaluate", description=(
+    ap = ArgumentParser(prog="python -m training.evaluate", description=(
         "Evaluate a trained checkpoint: NLL/token, bits per byte and per character by language, beside the "
-        "random-init twin, and multiple-choice accuracy."))
+        "random-init twin, multiple-choice accuracy, and the Bengali well-formedness of greedy answers."))
     ap.add_argument("path", help="a run folder (its newest checkpoint) or a checkpoint folder")
-    ap.add_argument("--step", type=int, default=None, help="a specific checkpoint step of the run")
+    ap.add_argument("--step", type=flag(NonNegInt), default=None, help="a specific checkpoint step of the run")
     add_common_args(ap)
-    ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    ap.add_argument("--device", default=None, help="torch device: auto, cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
     ap.add_argument("--no-twin", action="store_true", help="skip the random-init twin")
     ap.add_argument("--twin-mc", action="store_true", help="also score multiple choice with the twin")
-    ap.add_argument("--twin-seed", type=int, default=TWIN_SEED)
-    ap.add_argument("--margin", type=float, default=TWIN_MARGIN, help="twin gate margin, nats/token")
+    ap.add_argument("--twin-seed", type=flag(Seed), default=TWIN_SEED)
+    ap.add_argument("--margin", type=flag(NonNegFloat), default=TWIN_MARGIN, help="twin gate margin, nats/token")
+    ap.add_argument("--prompts", default=None, metavar="FILE",
+                    help="prompts (one per line) answered greedily and scored for Bengali well-formedness "
+                         "(default with --text/--mc: training/assets/chat/prompts_bn.txt, the demo's examples)")
+    ap.add_argument("--gen-tokens", type=flag(NonNegInt), default=GEN_TOKENS, metavar="N",
+                    help="new tokens per answer; 0 skips generation")
+    ap.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
+                    help="chat template or plain continuation (auto: chat for an SFT run)")
     ap.add_argument("--fail-on-gate", action="store_true", help="exit 1 when the twin gate fails")
     return ap
 
@@ -80,14 +92,35 @@ def eval_files(req) -> list[str]:
     return [*map(str, req.text_files), *(str(path) for _, path, _, _ in req.mc_sets)]
 
 
+def prompt_format(choice: str, run_dir: Path | None) -> bool:
+    """True for the chat template: asked for, or (auto) the checkpoint belongs to an SFT run."""
+    if choice != "auto":
+        return choice == "chat"
+    run_cfg = layout.read_run_config(run_dir) if run_dir is not None else None
+    return bool(run_cfg) and run_cfg.get("kind") == "sft"
+
+
+def check_places(args: argparse.Namespace) -> None:
+    """Names and places before any file is read: --device, an --out that is a file, the model path
+    when nothing else would be read first (so the first error names what is wrong)."""
+    if args.device is not None:
+        check(Device, args.device, "--device")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise EvalError(f"--out {args.out} is a file, not a folder")
+    if not (args.text or args.mc or args.prompts is not None) and not Path(args.path).exists():
+        raise EvalError(f"not found: {args.path}")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     check_common_args(args)
-    if args.margin < 0:
-        raise EvalError(f"--margin must be >= 0, got {args.margin}")
-    req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, ck = load_model(Path(args.path), args.step, device=device)
+    check_places(args)
+    wanted = args.prompts is not None or args.text or args.mc
+    prompts = read_prompts(args.prompts or PROMPTS) if wanted and args.gen_tokens > 0 else []
     run_dir = layout.run_dir_of(args.path)
+    req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride,
+                        prompts=prompts, gen_tokens=args.gen_tokens, chat=prompt_format(args.prompt_format, run_dir))
+    device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, ck = load_model(Path(args.path), args.step, device=device)
     out_dir = Path(args.out) if args.out else (run_dir / EVAL_DIR if run_dir else None)
     if out_dir is None:
         raise EvalError(f"{args.path} is a checkpoint outside a run folder; pass --out DIR")
@@ -117,5 +150,4 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return guarded(lambda: run_cli(args), debug=args.debug)  # EvalError, CheckpointError, ... are ValueErrors
+    return run_main(build_parser(), argv, run_cli)  # EvalError, CheckpointError, ... are ValueErrors

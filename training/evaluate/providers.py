@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from training import chat as chat_template
 from training.model import Transformer
 from training.tokenizer import Tokenizer
 
@@ -42,7 +43,8 @@ class LogProbProvider(Protocol):
 
 
 class TorchProvider:
-    """A `Transformer` and its tokenizer as a LogProbProvider: batched (right-padded), fp32 log-softmax."""
+    """A `Transformer` and its tokenizer as a LogProbProvider (batched, right-padded, fp32 log-softmax)
+    and as a `generate.Generator` (greedy, through the KV cache)."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, name: str = "model",
                  max_batch_tokens: int | None = None):
@@ -73,3 +75,29 @@ class TorchProvider:
         logits = self.model(x)[:, :-1].float()
         lp = F.log_softmax(logits, dim=-1).gather(-1, x[:, 1:, None]).squeeze(-1).double().cpu().numpy()
         return [lp[b, : n - 1] for b, n in enumerate(lengths)]
+
+    def prompt_ids(self, prompt: str, *, chat: bool) -> list[int]:
+        """<s> + the chat-templated user turn (a chat model) or the plain text (a base model)."""
+        if chat:
+            return chat_template.encode(self.tokenizer, [{"role": "user", "content": prompt}]).ids
+        return [self.bos_id, *self.tokenizer.encode(prompt)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    @torch.no_grad()
+    def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Argmax continuation of `ids`: stops at </s> or <|im_end|>, max_new_tokens or the context's end."""
+        stop = {self.tokenizer.eos_id, self.tokenizer.im_end_id}
+        out: list[int] = []
+        x = torch.as_tensor([list(ids)], dtype=torch.long, device=self.device)
+        pos, past = torch.arange(x.shape[1], device=self.device)[None], None
+        for _ in range(min(max_new_tokens, self.n_ctx - len(ids))):
+            logits, past = self.model.forward_with_cache(x, pos, past)
+            nxt = int(logits[0, -1].argmax())
+            if nxt in stop:
+                break
+            out.append(nxt)
+            x = torch.tensor([[nxt]], dtype=torch.long, device=self.device)
+            pos = torch.tensor([[len(ids) + len(out) - 1]], device=self.device)
+        return out

@@ -97,6 +97,25 @@ def _mc_table(models: list[dict], heading: str) -> list[str]:
     return [*lines, ""]
 
 
+def _wellformed_table(models: list[dict], heading: str) -> list[str]:
+    lines = [f"{heading}# Well-formedness of generated text", "",
+             "Greedy answers to fixed prompts; share of their Bengali grapheme clusters that are valid "
+             "orthography (no vowel sign or virama without a base consonant, no two vowel signs in a row).", "",
+             "| model | prompts | format | tokens/answer | clusters | well-formed | invalid clusters (examples) |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for m in models:
+        w = m.get("wellformed")
+        if w:
+            bad = ", ".join(f"`{c}`" for c in w["examples"])
+            share = f"{100 * w['share']:.1f}%" if w["clusters"] else "— (no Bangla written)"
+            lines.append(f"| {m['name']} | {w['prompts']} | {'chat' if w['chat'] else 'plain'} | "
+                         f"{w['max_new_tokens']} | {w['clusters']} | {share} | {bad} |")
+    first = next(m for m in models if m.get("wellformed"))
+    lines += ["", f"Answers of `{first['name']}`:", ""]
+    lines += [f"- {s['prompt']} → {' '.join(s['text'].split()) or '(empty)'}" for s in first["wellformed"]["samples"]]
+    return [*lines, ""]
+
+
 def render_markdown(report: dict, *, heading: str = "##") -> str:
     step = f" (step {report['step']})" if report.get("step") is not None else ""
     lines = [f"{heading} Evaluation", "", f"Source: `{report['source']}`{step}", ""]
@@ -105,6 +124,8 @@ def render_markdown(report: dict, *, heading: str = "##") -> str:
         lines += _lm_table(models, heading)
     if any(m["mc"] for m in models):
         lines += _mc_table(models, heading)
+    if any(m.get("wellformed") for m in models):
+        lines += _wellformed_table(models, heading)
     if report.get("decontamination"):
         lines += [f"{heading}# Decontamination", "", "| eval file | against the run's training data |", "|---|---|"]
         lines += [f"| `{p}` | {status} |" for p, status in report["decontamination"].items()]

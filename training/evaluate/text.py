@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from training.evaluate.providers import EvalError, LogProbProvider
+from training.progress import bar as progress_bar
 from training.records import read_records
 from training.text import detect_language, normalize, read_utf8, script_counts
 
@@ -60,7 +60,7 @@ def score_spans(provider: LogProbProvider, spans: Sequence[Span], *, desc: str =
     batch_fn = getattr(provider, "token_logprobs_batch", None)
     budget = int(getattr(provider, "max_batch_tokens", 0) or 0)
     order = sorted(range(len(spans)), key=lambda i: -len(spans[i].ids))  # similar lengths pad less
-    with tqdm(total=len(spans), desc=desc, unit="seq", disable=not progress, leave=False) as bar:
+    with progress_bar(total=len(spans), desc=desc, unit="seq", enabled=progress) as bar:
         k = 0
         while k < len(order):
             if batch_fn is not None and budget:

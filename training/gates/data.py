@@ -228,22 +228,30 @@ def tokenizer_gates(ctx: PreflightContext) -> list[GateResult]:
     rep = ctx.batches.data_report or {}
     fert = rep.get("fertility")
     opts = rep.get("gate_options", {})
+    if not isinstance(opts, dict):
+        opts = {}  # a damaged report: the defaults (training.data refuses reports whose sections are not objects)
     kwargs = {}
     if "fertility_floor" in opts:
         kwargs["floor"] = opts["fertility_floor"]
     if "fertility_ratio" in opts:
         kwargs["ratio"] = opts["fertility_ratio"]
     kwargs["balance_range"] = tuple(opts.get("balance_range", DEFAULT_BALANCE_RANGE))
-    if fert and fert.get("tokenizer_sha256") in (None, tok.sha256):
-        source = f"data report ({fert.get('total', {}).get('n_docs', '?')} held-out documents)"
-    else:
-        why = "no fertility report" if not fert else "the report describes another tokenizer"
+    results, why = None, "no fertility report"
+    if isinstance(fert, dict) and fert.get("tokenizer_sha256") in (None, tok.sha256):
+        try:
+            results = fertility_gates(fert, **kwargs)
+            source = f"data report ({fert.get('total', {}).get('n_docs', '?')} held-out documents)"
+        except (KeyError, TypeError, ValueError, AttributeError):
+            results, why = None, "a malformed fertility section"
+    elif fert:
+        why = "the report describes another tokenizer"
+    if results is None:  # measured here instead
         docs = _decoded_docs(ctx)
         if not docs:
             return [GateResult("tokenizer", True, detail=f"{why} and no text to measure: nothing to gate")]
         fert = fertility_report(tok, docs)
         source = f"measured on {len(docs)} decoded validation documents ({why} in the data folder)"
-    results = fertility_gates(fert, **kwargs)
+        results = fertility_gates(fert, **kwargs)
     skipped_at_prepare = set(opts.get("skip_gates", []))
     for r in results:
         r.detail = f"{r.detail} [{source}]"

@@ -85,10 +85,24 @@ class GateReport:
 
     @classmethod
     def load(cls, path: Path) -> GateReport:
-        d = layout.read_json(path, "gate report")
+        """RUN_DIR/gates.json, checked: format version, each result's name and verdict, and a stored
+        verdict that agrees with its results; layout.LayoutError naming the file otherwise."""
+        what = "gate report"
+        d = layout.read_json(path, what, required={"passed": bool, "results": list},
+                             version=("prodip_gates", GATES_FORMAT))
         fields_ = GateResult.__dataclass_fields__
-        return cls([GateResult(**{k: v for k, v in r.items() if k in fields_}) for r in d["results"]],
-                   list(d.get("skipped_by_user", [])))
+        results = []
+        for i, r in enumerate(d["results"]):
+            if not isinstance(r, dict):
+                raise layout.LayoutError(f"{path}: {what}: results[{i}] must be an object")
+            layout.check_schema(r, f"{path}: results[{i}]", what, {"name": str, "passed": bool})
+            results.append(GateResult(**{k: v for k, v in r.items() if k in fields_}))
+        skipped = d.get("skipped_by_user", [])
+        report = cls(results, list(skipped) if isinstance(skipped, list) else [])
+        if report.passed != d["passed"]:
+            raise layout.LayoutError(f"{path}: {what} says passed={d['passed']} but its results say otherwise "
+                                     "(edited or damaged)")
+        return report
 
 
 class GateError(RuntimeError):
@@ -114,7 +128,9 @@ def require_passed(run_dir: Path) -> GateReport:
     try:
         report = GateReport.load(path)
     except (layout.LayoutError, KeyError, TypeError) as e:
-        raise GateError(f"{path}: unreadable gate report ({e}); nothing is exported") from None
+        raise GateError(f"unreadable gate report: {e}; nothing is exported") from None
+    if not report.results:
+        raise GateError(f"{path}: the gate report records no gates; nothing is exported")
     if not report.passed:
         raise GateError(f"{path}: {report.summary()}; nothing is exported")
     return report

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
 
 from training.prepare.decontam import EvalIndex
 from training.prepare.dedup import DedupIndex, band_keys, exact_key, word_hashes
@@ -26,6 +25,7 @@ from training.prepare.options import Options
 from training.prepare.pool import chunks, ordered_map, resolve_workers
 from training.prepare.quality import PrepConfig, QualityRules
 from training.prepare.sources import FileSource, HFSource, clean
+from training.progress import bar as progress_bar
 from training.text import LANGUAGES, language_of_counts, match_words, script_counts
 
 EXAMPLES_PER_REASON = 3
@@ -68,7 +68,7 @@ def validate_files(sources: list, opt: Options) -> tuple[list, list[dict], int]:
     """Read every file once, raw (cheap): unreadable ones are skipped (fatal with --strict)."""
     ok, skipped, n_bytes = [], [], 0
     files = [s for s in sources if isinstance(s, FileSource)]
-    bar = tqdm(files, desc="check files", unit="file", disable=not opt.progress or not files, leave=False)
+    bar = progress_bar(files, desc="check files", unit="file", enabled=opt.progress and bool(files))
     for s in sources:
         if isinstance(s, HFSource):
             ok.append(s)
@@ -141,8 +141,8 @@ def clean_pass(sources: list, skipped: list[dict], opt: Options, cfg: PrepConfig
     index = DedupIndex(cfg.dedup["max_index_mb"], near=opt.near_dedup) if opt.dedup else None
     wopt = {"seed": opt.seed, "val_fraction": opt.val_fraction, "num_shards": opt.num_shards,
             "shard_index": opt.shard_index}
-    bar = tqdm(total=total_bytes or None, desc="clean", unit="B", unit_scale=True, unit_divisor=1000,
-               disable=not opt.progress, smoothing=0.1)
+    bar = progress_bar(total=total_bytes or None, desc="clean", unit="B", unit_scale=True, unit_divisor=1000,
+                       enabled=opt.progress, smoothing=0.1, leave=True)
     tasks = ((c,) for c in chunks(raw_texts(sources, opt.text_field)))
     for verdicts, seen in ordered_map(judge_chunk, tasks, resolve_workers(opt.workers), init_worker,
                                       (cfg.quality if opt.filters else None, eval_index, dedup_cfg, wopt)):

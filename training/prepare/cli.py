@@ -3,7 +3,7 @@
     python -m training.prepare --input PATH|hf:NAME[:CONFIG][:SPLIT] [--input ...] --out DATA_DIR [options]
     python -m training.prepare merge SHARD_DIR [SHARD_DIR ...] --out DATA_DIR [--force]
 
-Errors go through training.cli.guarded: one `error:` line and exit 2 (a failed gate: exit 1).
+Errors go through training.cli.run_main: one `error:` line and exit 2 (a failed gate: exit 1).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from training.cli import guarded
+from training.cli import ArgumentParser, run_main
 from training.fertility import (
     DEFAULT_BALANCE_RANGE,
     DEFAULT_FERTILITY_FLOOR,
@@ -28,22 +28,38 @@ from training.prepare.options import (
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VAL_FRACTION,
     DEFAULT_VOCAB_SIZE,
+    OPTION_TYPES,
 )
 from training.prepare.pipeline import prepare
 from training.prepare.sources import TEXT_FIELD
-from training.tokenizer import TokenizerError
+from training.schema import PositiveFloat, SchemaError, flag, one_of, parse
 
 EXIT_GATE = 1
 NOT_OPTIONS = ("command", "input", "out", "skip_gate", "no_progress", "debug", "no_filters", "no_dedup",
                "no_near_dedup", "no_shipped_eval", "shards")
 
 
+def _typed(option: str):
+    """The argparse type of an option: its schema type from OPTION_TYPES."""
+    return flag(OPTION_TYPES[option][1])
+
+
 def _pair(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected LO,HI like 0.8,1.25, got {text!r}")
     try:
-        lo, hi = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO,HI like 0.8,1.25, got {text!r}") from None
+        lo, hi = (parse(PositiveFloat, x.strip(), name) for x, name in zip(parts, ("LO", "HI"), strict=True))
+    except SchemaError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return lo, hi
+
+
+def _gate(text: str) -> str:
+    try:
+        return one_of("gate", text, GATE_NAMES)
+    except SchemaError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_cleaning(p: argparse.ArgumentParser) -> None:
@@ -57,38 +73,45 @@ def _add_cleaning(p: argparse.ArgumentParser) -> None:
                         "(repeatable; the shipped SFT set is always checked)")
     p.add_argument("--no-shipped-eval", action="store_true",
                    help="do not check against the SFT set shipped in training/assets/chat")
-    p.add_argument("--shard-index", type=int, default=0, metavar="I", help="this machine's shard (0-based)")
-    p.add_argument("--num-shards", type=int, default=1, metavar="N",
+    p.add_argument("--shard-index", type=_typed("shard_index"), default=0, metavar="I",
+                   help="this machine's shard (0-based)")
+    p.add_argument("--num-shards", type=_typed("num_shards"), default=1, metavar="N",
                    help="machines sharing the work (each writes its own DATA_DIR; then `merge`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.prepare",
-                                description="Corpus -> cleaned, deduplicated, decontaminated token shards + "
-                                            "tokenizer + report, behind the tokenizer gates.")
+    p = ArgumentParser(prog="python -m training.prepare",
+                       description="Corpus -> cleaned, deduplicated, decontaminated token shards + "
+                                   "tokenizer + report, behind the tokenizer gates.")
     p.add_argument("--input", action="append", default=None, metavar="PATH",
                    help="file or folder (repeatable): .txt/.md, .jsonl, .parquet, .gz; or hf:NAME[:CONFIG][:SPLIT]")
     p.add_argument("--out", type=Path, metavar="DATA_DIR")
-    p.add_argument("--vocab-size", type=int, default=None, metavar="N", help=f"tokenizer vocabulary (default {DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--vocab-size", type=_typed("vocab_size"), default=None, metavar="N",
+                   help=f"tokenizer vocabulary (default {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--tokenizer", type=Path, default=None, metavar="FILE", help="use this tokenizer.model instead of training one")
     p.add_argument("--mix", default=None, metavar="LANG=SHARE,...", help="target character shares, e.g. bn=0.8,en=0.2 (down-samples)")
-    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
+    p.add_argument("--val-fraction", type=_typed("val_fraction"), default=DEFAULT_VAL_FRACTION, metavar="F",
                    help="share of documents held out (by hash of their text)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_typed("seed"), default=0)
     p.add_argument("--force", action="store_true", help="replace an existing DATA_DIR")
     p.add_argument("--strict", action="store_true", help="an unreadable input file is an error, not skipped")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N", help="tokens per shard file")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="worker processes (default: all cores)")
+    p.add_argument("--shard-tokens", type=_typed("shard_tokens"), default=DEFAULT_SHARD_TOKENS, metavar="N",
+                   help="tokens per shard file")
+    p.add_argument("--workers", type=_typed("workers"), default=None, metavar="N",
+                   help="worker processes (default: all cores)")
     p.add_argument("--text-field", default=TEXT_FIELD, help="JSONL field / Parquet or dataset column holding the text")
-    p.add_argument("--max-sentences", type=int, default=DEFAULT_MAX_SENTENCES, help="sentences sampled to train the tokenizer")
-    p.add_argument("--eval-docs", type=int, default=DEFAULT_EVAL_DOCS, help="held-out documents sampled for the fertility report")
-    p.add_argument("--fertility-floor", type=float, default=DEFAULT_FERTILITY_FLOOR, help="minimum Bangla characters/token")
-    p.add_argument("--fertility-ratio", type=float, default=DEFAULT_FERTILITY_RATIO,
+    p.add_argument("--max-sentences", type=_typed("max_sentences"), default=DEFAULT_MAX_SENTENCES,
+                   help="sentences sampled to train the tokenizer")
+    p.add_argument("--eval-docs", type=_typed("eval_docs"), default=DEFAULT_EVAL_DOCS,
+                   help="held-out documents sampled for the fertility report")
+    p.add_argument("--fertility-floor", type=_typed("fertility_floor"), default=DEFAULT_FERTILITY_FLOOR,
+                   help="minimum Bangla characters/token")
+    p.add_argument("--fertility-ratio", type=_typed("fertility_ratio"), default=DEFAULT_FERTILITY_RATIO,
                    help="minimum Bangla fertility as a fraction of English's")
     p.add_argument("--balance-range", type=_pair, default=DEFAULT_BALANCE_RANGE, metavar="LO,HI",
                    help="allowed token share / character share per language (LO,HI)")
-    p.add_argument("--skip-gate", action="append", default=[], metavar="NAME", choices=GATE_NAMES,
-                   help="record this gate as skipped instead of failing (repeatable)")
+    p.add_argument("--skip-gate", action="append", default=[], metavar="NAME", type=_gate,
+                   help=f"record this gate as skipped instead of failing (repeatable): {', '.join(GATE_NAMES)}")
     _add_cleaning(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -118,7 +141,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(_summary(meta, args.out, time.perf_counter() - t0))
         return 0
     if not args.input or args.out is None:
-        parser.error("the following arguments are required: --input, --out")
+        raise PrepareError("the following arguments are required: --input, --out")
     opts = {k: v for k, v in vars(args).items() if k not in NOT_OPTIONS}
     # bars only on a terminal: in a log file or CI they would be noise around the one-line errors
     opts.update(skip_gates=args.skip_gate, progress=not args.no_progress and sys.stderr.isatty(), echo=True, filters=not args.no_filters,
@@ -134,9 +157,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
 
-    def go() -> int:
+    def go(args: argparse.Namespace) -> int:
         try:
             return _run(args, parser)
         except GateFailed as e:
@@ -145,4 +167,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_GATE
 
-    return guarded(go, debug=args.debug, errors=(PrepareError, TokenizerError, OSError))
+    return run_main(parser, argv, go)  # PrepareError, TokenizerError, LayoutError, SchemaError: ValueErrors

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from training.prepare.clean import CleanResult, raw_texts
 from training.prepare.keys import split_of
@@ -15,6 +14,7 @@ from training.prepare.options import Options
 from training.prepare.pool import chunks, ordered_map, resolve_workers
 from training.prepare.sample import mix_kept
 from training.prepare.sources import clean
+from training.progress import bar as progress_bar
 from training.text import LANGUAGES
 from training.tokenizer import Tokenizer
 
@@ -61,8 +61,8 @@ def encode_pass(cr: CleanResult, opt: Options, keep: dict[str, float] | None, to
     stats = {s: {"n_tokens": 0, "n_shards": 0, "n_docs": 0, "n_bytes": 0, "n_chars": 0} for s in writers}
     dtype = np.dtype(writers["train"].dtype).name
     total = sum(st["n_bytes"] for st in cr.kept.values())
-    bar = tqdm(total=total, desc="encode", unit="B", unit_scale=True, unit_divisor=1000,
-               disable=not opt.progress, smoothing=0.1)
+    bar = progress_bar(total=total, desc="encode", unit="B", unit_scale=True, unit_divisor=1000,
+                       enabled=opt.progress, smoothing=0.1, leave=True)
     t0, n_tok = time.perf_counter(), 0
     kept_chars = dict.fromkeys(LANGUAGES, 0)  # per language, counted only with --mix
     kept_docs = (t for i, t in enumerate(raw_texts(cr.sources, opt.text_field)) if cr.keep[i])

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
 
 from training.fertility import (
     DEFAULT_BALANCE_RANGE,
@@ -13,6 +16,7 @@ from training.fertility import (
 )
 from training.prepare.errors import PrepareError
 from training.prepare.sources import TEXT_FIELD
+from training.schema import NonNegFloat, NonNegInt, PositiveInt, SchemaError, Seed, check, one_of, parse
 from training.text import LANGUAGES
 
 DATA_FORMAT_VERSION = 1
@@ -21,6 +25,20 @@ DEFAULT_VAL_FRACTION = 0.05
 DEFAULT_SHARD_TOKENS = 1 << 26
 DEFAULT_MAX_SENTENCES = 2_000_000
 DEFAULT_EVAL_DOCS = 50_000
+MIN_VOCAB_SIZE = 257  # byte fallback alone takes 256 pieces (SentencePiece says what more it needs)
+MAX_VOCAB_SIZE = 1 << 20
+VocabSize = Annotated[int, Field(ge=MIN_VOCAB_SIZE, le=MAX_VOCAB_SIZE)]
+Fraction = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]  # a share strictly between none and all
+# option -> (its flag, its schema type): the flags parse with these types and Options.validate checks with
+# them, so the Python API (prepare(..., workers=0)) and the command line refuse the same values
+OPTION_TYPES = {
+    "vocab_size": ("--vocab-size", VocabSize), "val_fraction": ("--val-fraction", Fraction),
+    "seed": ("--seed", Seed), "shard_tokens": ("--shard-tokens", PositiveInt), "workers": ("--workers", PositiveInt),
+    "fertility_floor": ("--fertility-floor", NonNegFloat), "fertility_ratio": ("--fertility-ratio", NonNegFloat),
+    "max_sentences": ("--max-sentences", PositiveInt), "eval_docs": ("--eval-docs", PositiveInt),
+    "shard_index": ("--shard-index", NonNegInt), "num_shards": ("--num-shards", PositiveInt),
+}
+OPTIONAL = {"vocab_size", "workers"}  # None: the default (DEFAULT_VOCAB_SIZE or the tokenizer's; all cores)
 
 
 @dataclass
@@ -53,22 +71,19 @@ class Options:
     num_shards: int = 1
 
     def validate(self) -> None:
-        if not 0.0 < self.val_fraction < 1.0:
-            raise PrepareError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise PrepareError(f"--vocab-size must be positive, got {self.vocab_size}")
-        if self.shard_tokens < 1:
-            raise PrepareError(f"--shard-tokens must be positive, got {self.shard_tokens}")
-        if self.workers is not None and self.workers < 1:
-            raise PrepareError(f"--workers must be >= 1, got {self.workers}")
+        """Every option against the schema type its flag has (OPTION_TYPES), then the cross-checks."""
+        try:
+            for name, (flag_, type_) in OPTION_TYPES.items():
+                value = getattr(self, name)
+                if value is not None or name not in OPTIONAL:
+                    check(type_, value, flag_)
+            for g in self.skip_gates:
+                one_of("gate", g, GATE_NAMES)
+        except SchemaError as e:
+            raise PrepareError(str(e)) from None
         lo, hi = self.balance_range
         if not 0 < lo <= 1 <= hi:
             raise PrepareError(f"--balance-range must be LO,HI with 0 < LO <= 1 <= HI, got {lo},{hi}")
-        unknown = [g for g in self.skip_gates if g not in GATE_NAMES]
-        if unknown:
-            raise PrepareError(f"--skip-gate: unknown gate {unknown[0]!r}; known gates: {', '.join(GATE_NAMES)}")
-        if self.max_sentences < 1 or self.eval_docs < 1:
-            raise PrepareError("--max-sentences and --eval-docs must be positive")
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
             raise PrepareError(f"--shard-index must be in [0, --num-shards), got {self.shard_index} of {self.num_shards}")
         if self.num_shards > 1 and self.tokenizer is None:
@@ -84,17 +99,17 @@ def parse_mix(spec: str | dict[str, float] | None) -> dict[str, float] | None:
         out: dict[str, float] = {}
         for part in spec.split(","):
             lang, sep, val = part.partition("=")
-            try:
-                out[lang.strip()] = float(val) if sep else float("nan")
-            except ValueError:
-                raise PrepareError(f"--mix: bad share {part!r}; expected e.g. bn=0.8,en=0.2") from None
+            if not sep:
+                raise PrepareError(f"--mix: bad share {part!r}; expected e.g. bn=0.8,en=0.2")
+            out[lang.strip()] = val.strip()
     else:
-        out = {str(k): float(v) for k, v in spec.items()}
-    for lang, v in out.items():
-        if lang not in LANGUAGES:
-            raise PrepareError(f"--mix: unknown language {lang!r}; use {', '.join(LANGUAGES)}")
-        if not v >= 0:
-            raise PrepareError(f"--mix: share of {lang} must be a number >= 0, got {v}")
+        out = {str(k): str(v) for k, v in spec.items()}
+    try:
+        for lang in out:
+            one_of("language", lang, LANGUAGES)
+            out[lang] = parse(NonNegFloat, out[lang], f"share of {lang}")
+    except SchemaError as e:
+        raise PrepareError(f"--mix {spec}: {e}") from None
     total = sum(out.values())
     if total <= 0:
         raise PrepareError("--mix: shares must not all be zero")

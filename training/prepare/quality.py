@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from training.prepare.errors import PrepareError
+from training.schema import NonNegInt, Probability, SchemaError, check, reject_unknown
 from training.text import match_words, script_counts
 
 if sys.version_info >= (3, 11):
@@ -47,18 +48,24 @@ class QualityRules:
 
     @classmethod
     def from_table(cls, table: dict, where: str) -> QualityRules:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(table) - known)
-        if unknown:
-            raise PrepareError(f"{where}: unknown quality setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        if not isinstance(table, dict):
+            raise PrepareError(f"{where}: [quality] must be a table, not {type(table).__name__}")
+        try:
+            reject_unknown("quality setting", table, [f.name for f in fields(cls)], where)
+        except SchemaError as e:
+            raise PrepareError(str(e)) from None
         vals = dict(table)
         if "boilerplate" in vals:
             if not isinstance(vals["boilerplate"], list) or not all(isinstance(s, str) for s in vals["boilerplate"]):
                 raise PrepareError(f"{where}: quality.boilerplate must be a list of strings")
             vals["boilerplate"] = tuple(s.casefold() for s in vals["boilerplate"])
+        counts = {f.name for f in fields(cls) if f.type == "int"}  # word counts; every other number is a share
         for k, v in vals.items():
-            if k != "boilerplate" and not isinstance(v, (int, float)):
-                raise PrepareError(f"{where}: quality.{k} must be a number, got {v!r}")
+            if k != "boilerplate":
+                try:
+                    check(NonNegInt if k in counts else Probability, v, f"{where}: quality.{k}", strict=True)
+                except SchemaError as e:
+                    raise PrepareError(str(e)) from None
         return cls(**vals)
 
     def to_dict(self) -> dict:
@@ -163,9 +170,12 @@ DECONTAM_DEFAULTS = {"ngram_words": 13, "min_words": 8}
 
 def _section(data: dict, name: str, defaults: dict, where: str) -> dict:
     table = data.get(name, {})
-    unknown = sorted(set(table) - set(defaults))
-    if unknown:
-        raise PrepareError(f"{where}: unknown {name} setting {unknown[0]!r}; known: {', '.join(defaults)}")
+    if not isinstance(table, dict):
+        raise PrepareError(f"{where}: [{name}] must be a table, not {type(table).__name__}")
+    try:
+        reject_unknown(f"{name} setting", table, defaults, where)
+    except SchemaError as e:
+        raise PrepareError(str(e)) from None
     out = {**defaults, **table}
     for k, v in out.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -182,9 +192,10 @@ def load_config(path: str | Path | None = None) -> PrepConfig:
         raise PrepareError(f"--quality: file not found: {p}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise PrepareError(f"--quality {p}: not valid TOML ({e})") from None
-    unknown = sorted(set(data) - {"quality", "dedup", "decontam"})
-    if unknown:
-        raise PrepareError(f"--quality {p}: unknown table [{unknown[0]}]; known: [quality], [dedup], [decontam]")
+    try:
+        reject_unknown("table", data, ("quality", "dedup", "decontam"), f"--quality {p}")
+    except SchemaError as e:
+        raise PrepareError(str(e)) from None
     dedup = _section(data, "dedup", DEDUP_DEFAULTS, str(p))
     if dedup["num_perm"] % dedup["bands"]:
         raise PrepareError(f"{p}: dedup.num_perm ({dedup['num_perm']}) must be a multiple of dedup.bands ({dedup['bands']})")

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import heapq
 
-from tqdm import tqdm
-
 from training.prepare.clean import CleanResult, raw_texts
 from training.prepare.keys import SALT_MIX, SALT_SENTENCE, hash_key, hash_unit, split_of
 from training.prepare.options import Options
 from training.prepare.sources import clean
+from training.progress import bar as progress_bar
 from training.text import detect_language
 from training.tokenizer import MAX_SENTENCE_BYTES
 
@@ -27,7 +26,7 @@ def mix_kept(doc: str, keep: dict[str, float] | None, seed: int) -> str | None:
 def sample_sentences(cr: CleanResult, opt: Options, keep: dict[str, float] | None) -> list[str]:
     heap: list[tuple[int, int, str]] = []  # max-heap via negated key: (-key, -n, sentence)
     n = 0
-    bar = tqdm(total=cr.n_raw, desc="sample", unit="doc", disable=not opt.progress, leave=False)
+    bar = progress_bar(total=cr.n_raw, desc="sample", unit="doc", enabled=opt.progress)
     for i, text in enumerate(raw_texts(cr.sources, opt.text_field)):
         bar.update()
         if not cr.keep[i]:

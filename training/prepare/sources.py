@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.prepare.errors import PrepareError, Unreadable
+from training.schema import unknown_name
 from training.text import normalize
 
 MAX_DOC_CHARS = 100_000  # a file without blank lines is cut into documents of about this size
@@ -27,6 +28,7 @@ JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
 HF_PREFIX = "hf:"
 HF_DEFAULT_SPLIT = "train"
+SOURCE_KINDS = (HF_PREFIX,)  # KIND:SPEC inputs; anything else is a file or folder
 
 
 def _kind(path: Path) -> tuple[str, bool]:
@@ -263,5 +265,13 @@ def resolve_sources(inputs: Sequence[str | Path]) -> list[FileSource | HFSource]
         if str(raw).startswith(HF_PREFIX):
             out.append(load_hf(str(raw)))
         else:
+            check_source_kind(str(raw))
             out.extend(FileSource(f) for f in resolve_inputs([raw]))
     return out
+
+
+def check_source_kind(raw: str) -> None:
+    """'hff:NAME' or 'HF:NAME' is a mistyped source kind, not a file name to report as missing."""
+    kind, sep, _ = raw.partition(":")
+    if sep and len(kind) > 1 and kind.isidentifier() and not Path(raw).exists():  # len > 1: not C:\...
+        raise PrepareError(f"--input {raw!r}: {unknown_name('source kind', kind + ':', SOURCE_KINDS)}")

@@ -1,0 +1,153 @@
+"""RUN/curves.png: drawn by the step log at each evaluation, one panel per quantity the log holds,
+written atomically; a real training run leaves one behind."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import matplotlib.image
+from conftest import CORPUS
+
+from training import layout
+from training.curves import COLUMNS, DPI, PANEL_H, PANEL_W, PANELS, draw_curves, read_series
+from training.metrics import StepLog
+
+
+def step(i: int, **extra) -> dict:
+    return {"step": i, "loss": 8.0 - 0.1 * i, "lr": 1e-3, "grad_norm": 1.0 + 0.01 * i, "tokens": 1000 * i,
+            "tokens_per_s": 5000.0, "mfu": None, "elapsed_s": 0.1 * i, **extra}
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels of the PNG, decoded."""
+    h, w = matplotlib.image.imread(path).shape[:2]
+    return w, h
+
+
+def expected_size(n_panels: int) -> tuple[int, int]:
+    rows, cols = -(-n_panels // COLUMNS), min(COLUMNS, n_panels)
+    return round(PANEL_W * cols * DPI), round(PANEL_H * rows * DPI)
+
+
+def test_step_log_draws_at_each_evaluation_and_at_close(tmp_path: Path) -> None:
+    log = StepLog(tmp_path / layout.LOG)
+    curves = tmp_path / layout.CURVES
+    for i in range(1, 5):
+        log.write(step(i))
+    assert not curves.exists()  # steps alone: no drawing (cheap until an evaluation)
+    log.write(step(5, val_loss=7.0, val_bpb=2.5))
+    # panels: loss (train + val), val bpb, lr, grad norm, tokens/s; no MFU on CPU
+    assert image_size(curves) == expected_size(5)
+    first = curves.stat().st_mtime_ns
+    time.sleep(0.02)
+    log.write(step(6))
+    assert curves.stat().st_mtime_ns == first
+    log.close()  # the steps after the last evaluation are drawn too
+    assert curves.stat().st_mtime_ns > first
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_absent_keys_leave_their_panels_out(tmp_path: Path) -> None:
+    (tmp_path / layout.LOG).write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 1, "loss": 5.0, "lr": 1e-3},
+        {"event": "nonfinite", "step": 2, "loss": float("nan")},  # an event is not a point of the curve
+        {"step": 2, "loss": 4.0, "lr": 1e-3, "val_loss": 4.5},
+    ]))
+    assert image_size(draw_curves(tmp_path)) == expected_size(2)  # loss (train + val), lr
+    series = read_series(tmp_path / layout.LOG)
+    assert series["loss"] == ([1, 2], [5.0, 4.0]) and series["val_loss"] == ([2], [4.5])
+
+
+def test_all_panels_with_mfu(tmp_path: Path) -> None:
+    (tmp_path / layout.LOG).write_text("".join(
+        json.dumps(step(i, mfu=0.4, mfu_6ltd=0.35, val_loss=3.0, val_bpb=1.2)) + "\n" for i in range(1, 4)))
+    assert image_size(draw_curves(tmp_path)) == expected_size(len(PANELS))
+
+
+def test_nothing_to_plot_and_a_torn_line(tmp_path: Path) -> None:
+    assert draw_curves(tmp_path) is None  # no log
+    (tmp_path / layout.LOG).write_text('{"event": "start"}\n')
+    assert draw_curves(tmp_path) is None and not (tmp_path / layout.CURVES).exists()
+    (tmp_path / layout.LOG).write_text(json.dumps(step(1)) + "\n" + '{"step": 2, "lo')  # killed mid-line
+    assert draw_curves(tmp_path) is not None
+    assert read_series(tmp_path / layout.LOG)["loss"] == ([1], [7.9])
+
+
+def test_a_plot_that_cannot_be_written_does_not_stop_training(tmp_path: Path, capsys) -> None:
+    (tmp_path / (layout.CURVES + ".tmp")).mkdir()  # savefig cannot write its temporary file
+    log = StepLog(tmp_path / layout.LOG)
+    log.write(step(1, val_loss=7.0))
+    log.write(step(2, val_loss=6.0))
+    log.close()
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "curves not drawn" in err
+    assert len((tmp_path / layout.LOG).read_text().splitlines()) == 2
+
+
+def test_disabled_log_draws_nothing(tmp_path: Path) -> None:
+    log = StepLog(tmp_path / layout.LOG, enabled=False)  # ranks other than 0
+    log.write(step(1, val_loss=7.0))
+    log.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_drawing_is_cheap(tmp_path: Path) -> None:
+    """A 2,000-step log with 20 evaluations redraws in well under a second of CPU time (~0.35 s
+    measured; CPU time, not wall time, so a busy shared machine does not make it flaky)."""
+    (tmp_path / layout.LOG).write_text("".join(
+        json.dumps(step(i, **({"val_loss": 3.0, "val_bpb": 1.2} if i % 100 == 0 else {}))) + "\n"
+        for i in range(1, 2001)))
+    draw_curves(tmp_path)  # the first call imports matplotlib
+    t0 = time.process_time()
+    draw_curves(tmp_path)
+    assert time.process_time() - t0 < 1.0
+
+
+def test_a_training_run_draws_its_curves(tiny_run: Path) -> None:
+    """The suite's shared tiny run (300 steps, an evaluation every 100): the trainer needs nothing
+    beyond its step log to leave curves behind."""
+    assert image_size(tiny_run / layout.CURVES) == expected_size(5)  # no MFU on CPU
+    assert not list(tiny_run.glob("*.tmp"))
+
+
+def tiny_checkpoint(run: Path) -> None:
+    """A real run folder without training: a tokenizer trained on the shipped corpus and a random
+    tiny model, saved as a checkpoint (what `python -m export` reads)."""
+    import torch
+
+    from training import checkpoint as ckpt
+    from training.model import Transformer, preset
+    from training.text import normalize
+    from training.tokenizer import train_tokenizer
+
+    lines = [normalize(x) for f in sorted(CORPUS.glob("*.txt")) for x in f.read_text(encoding="utf-8").splitlines()]
+    tok = train_tokenizer([x for x in lines if x.strip()][:400], vocab_size=400, num_threads=1)
+    cfg = preset("tiny", vocab_size=tok.vocab_size, n_layers=1)
+    torch.manual_seed(0)
+    ckpt.save(run, 1, weights=ckpt.weights_for_save(Transformer(cfg).state_dict(), cfg), cfg=cfg, tokenizer=tok,
+              state={"kind": "pretrain"})
+
+
+def test_the_model_card_embeds_the_curves(tmp_path: Path) -> None:
+    from export.card import write_card
+    from export.manifest import Manifest, load_source
+
+    run, out = tmp_path / "run", tmp_path / "run" / layout.EXPORT
+    tiny_checkpoint(run)
+    src = load_source(run)
+    out.mkdir()
+    card = write_card(src, out, Manifest.open(out, src, force=False))  # no curves yet: no section, no file
+    assert "## Training curves" not in card.read_text() and not (out / layout.CURVES).exists()
+
+    (run / layout.LOG).write_text("".join(json.dumps(step(i, val_loss=7.0)) + "\n" for i in (1, 2)))
+    draw_curves(run)
+    card = write_card(src, out, Manifest.open(out, src, force=False))
+    text = card.read_text()
+    assert "## Training curves" in text and f"![training curves]({layout.CURVES})" in text
+    assert (out / layout.CURVES).read_bytes() == (run / layout.CURVES).read_bytes()  # the link resolves
+
+    (run / layout.CURVES).unlink()  # re-exported from a run without curves: the stale copy goes
+    write_card(src, out, Manifest.open(out, src, force=False))
+    assert not (out / layout.CURVES).exists() and "## Training curves" not in card.read_text()

@@ -1,0 +1,90 @@
+"""scripts/gpu_validate.py on CPU: its flags, its results written after every phase (so a GPU run
+stopped by a time limit keeps what finished), its SDPA probe, and a dry run end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_validate", REPO / "scripts" / "gpu_validate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gv = load_script()
+
+
+@pytest.mark.parametrize("argv, flag", [(["--steps", "0"], "--steps"), (["--seq-len", "x"], "--seq-len"),
+                                        (["--hourly-usd", "-1"], "--hourly-usd"), (["--preset", "2b"], "--preset"),
+                                        (["--device", "tpu"], "--device")])
+def test_bad_flags_are_refused(argv: list[str], flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        gv.build_parser().parse_args(argv)
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_out_that_is_a_file_is_refused_before_any_phase(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "file"
+    f.write_text("keep")
+    assert gv.main(["--out", str(f), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out") and err.count("\n") == 1
+    assert f.read_text() == "keep"
+
+
+def read(out: Path) -> dict:
+    return json.loads((out / gv.RESULTS_JSON).read_text())
+
+
+def test_results_are_on_disk_during_and_after_every_phase(tmp_path: Path) -> None:
+    rep = gv.Results(tmp_path / "out", {"steps": 1})
+    with rep.phase("environment") as res:
+        assert read(tmp_path / "out")["phases"] == [{"name": "environment", "status": "running"}]
+        res["gpu"] = "NVIDIA H200 NVL"
+    with pytest.raises(RuntimeError), rep.phase("train"):
+        raise RuntimeError("CUDA out of memory\ndetails")
+    # what a timed-out or crashed run leaves: the finished phase's figures, the failed one named
+    data = read(tmp_path / "out")
+    assert data["complete"] is False and data["results"] == {"gpu": "NVIDIA H200 NVL"}
+    assert [(p["name"], p["status"]) for p in data["phases"]] == [("environment", "ok"), ("train", "failed")]
+    assert data["phases"][1]["error"] == "RuntimeError: CUDA out of memory"
+    md = (tmp_path / "out" / gv.RESULTS_MD).read_text()
+    assert "(incomplete)" in md and "| train | failed: RuntimeError: CUDA out of memory |" in md
+    assert "| gpu | NVIDIA H200 NVL |" in md
+    rep.finish()
+    assert read(tmp_path / "out")["complete"] is True
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_sdpa_probe_names_the_kernel_dispatch_chose() -> None:
+    probe = gv.sdpa_kernels("tiny", 64, "cpu")
+    assert probe["sdpa_kernel"] in {"flash (CPU)", "math"}, probe  # CPU's two SDPA paths
+    if probe["sdpa_kernel"] == "flash (CPU)":  # a fused kernel has a backward op of its own; math has none
+        assert any(op.endswith("_backward") for op in probe["sdpa_ops"]), probe
+
+
+def test_dry_run_on_cpu_writes_every_phase(tmp_path: Path, capsys) -> None:
+    """Every phase runs; train.py refuses the missing data folder (exit 2), which the results say,
+    and the measure phase reports no speed rather than a made-up one."""
+    out = tmp_path / "out"
+    rc = gv.main(["--device", "cpu", "--preset", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "2",
+                  "--no-compile", "--skip-1b", "--data", str(tmp_path / "no-data"), "--out", str(out)])
+    assert rc == 2
+    data = read(out)
+    assert data["complete"] is True
+    assert [(p["name"], p["status"]) for p in data["phases"]] == [
+        ("environment", "ok"), ("sdpa", "ok"), ("data", "ok"), ("train", "exit code 2"), ("measure", "ok"),
+        ("eager", "ok")]
+    r = data["results"]
+    assert r["gpu"] == "cpu" and r["peak_flops"] is None and r["train_exit_code"] == 2 and r["sdpa_kernel"]
+    assert r["tokens_per_s"] is None and r["mfu"] is None and r["mfu_6ltd"] is None
+    assert r["flops_per_token"] > r["flops_per_token_6ltd"] > 0
+    assert r["eager_tokens_per_s"] > 0 and r["eager_mfu"] is None  # measured for real; no MFU on CPU
+    assert "compile_speedup" not in r  # nothing compiled ran to compare
