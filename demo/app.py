@@ -36,6 +36,7 @@ from demo.models import (
 from demo.tokens import MAX_TOKENIZE_CHARS, N_COLOURS, token_view
 from serving import Backend, SamplingParams, load
 from serving.chat_session import PromptTooLong, chat_stream
+from training.evaluate.generate import PROMPTS, read_prompts
 
 __all__ = ["DemoError", "ModelEntry", "build_app", "default_model", "discover_models", "launch"]
 
@@ -47,12 +48,8 @@ DESCRIPTION = (
 )
 PLACEHOLDER = "এখানে বাংলায় আপনার বার্তা লিখুন…"
 CHAT_PLACEHOLDER = "নমস্কার! আমি প্রদীপ। কিছু জিজ্ঞেস করুন।"
-EXAMPLES = [
-    "আজকের আবহাওয়া কেমন?",
-    "একটি ছোট গল্প বলো।",
-    "সকালে হাঁটার উপকারিতা কী?",
-    "ভাই, ডিমের হালি কত?",
-]
+# the demo's examples are the first prompts training.evaluate scores for well-formedness: one list
+EXAMPLES = read_prompts(PROMPTS)[:4]
 SEND_LABEL, CLEAR_LABEL = "পাঠান", "নতুন কথোপকথন"
 MAX_MESSAGE_CHARS = 4000  # far beyond any context we serve; refuses pasted novels before tokenizing
 DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT = 128, 1024

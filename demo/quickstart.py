@@ -39,6 +39,7 @@ from training import layout
 from training.cli import ArgumentParser, run_main
 from training.config import TrainConfig
 from training.model import preset_names
+from training.prepare.sources import HF_PREFIX
 from training.schema import Port, flag
 
 ASSETS = Path(training.__file__).resolve().parent / "assets"
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m demo.quickstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("PRODIP_HOME", ".")) / QUICKSTART_RUN)
-    ap.add_argument("--corpus", type=Path, action="append", help="text to pretrain on (default: the shipped corpus)")
+    ap.add_argument("--corpus", type=Path, action="append", help="text to pretrain on, or hf:NAME[:CONFIG][:SPLIT] (default: the shipped corpus)")
     ap.add_argument("--chat", type=Path, default=DEFAULT_CHAT, help="conversations for SFT (messages JSONL)")
     ap.add_argument("--preset", default=None, choices=preset_names(),
                     help=f"model shape (default: {DEFAULT_PRESET} with "
@@ -129,6 +130,8 @@ def check_inputs(a: argparse.Namespace) -> None:
     if a.out.exists() and not a.out.is_dir():
         raise QuickstartError(f"--out {a.out} is a file, not a folder")
     for p in [*(a.corpus or []), a.chat]:
+        if str(p).startswith(HF_PREFIX):
+            continue  # a Hugging Face dataset, streamed by training.prepare (which checks it before writing)
         if not p.exists():
             raise QuickstartError(f"input not found: {p}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serving import RUNTIMES, load
+from serving import RUNTIMES, describe, load
 from serving.backend import (
     MaxNewTokens,
     RepetitionPenalty,
@@ -123,6 +123,11 @@ def run(args: argparse.Namespace) -> None:
         if sock:
             sock.close()
         raise
+    info = describe(backend)
+    if not info.get("prodip", True):  # a GGUF prodip did not write: say what the chats will use
+        how = "its own chat template" if info.get("chat_template") else "plain completion (no chat template)"
+        print(f"note: {args.model} is a {info.get('arch', '?')} GGUF prodip did not write; chats use {how}",
+              file=sys.stderr)
     try:
         if sock:
             host, port = bind[0], bound_port(sock)

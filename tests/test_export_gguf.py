@@ -104,6 +104,8 @@ def test_llamacpp_f32_reproduces_checkpoint_logits_and_tokenizer(trained_run, ex
         assert b.detokenize(ids) == TEXT
         assert b.eos_ids == (ck.tokenizer.eos_id, ck.tokenizer.im_end_id)
         assert b.n_ctx == ck.config.max_seq_len and b.name == "llama.cpp-F32"
+        # a prodip file is recognized as one (the foreign path would render the same ChatML and hide a mix-up)
+        assert b.prodip and b.describe()["kind"] == "prodip" and b.chat_template == CHAT_TEMPLATE
         got = b.logits(ids)
         assert got.shape == ref.shape and np.abs(got - ref).max() <= FP32_TOL
         assert np.abs(b.logits_incremental(ids, prefix=3) - got).max() <= FP32_TOL

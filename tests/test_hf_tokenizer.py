@@ -18,6 +18,7 @@ from export.hf import FAST_CLASS, write_tokenizer
 from export.hf_tokenizer import build, normalizer
 from training import chat
 from training.chat import render
+from training.prepare.decontam import json_strings
 from training.text import BOM, NUKTA, ZWJ, ZWNJ, normalize
 from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK, Tokenizer
 
@@ -57,19 +58,8 @@ def shipped_raw() -> list[str]:
         out += [text, *text.splitlines()]
         if f.suffix == ".jsonl":
             for line in text.splitlines():
-                out += list(_strings(json.loads(line))) if line.strip() else []
+                out += list(json_strings(json.loads(line))) if line.strip() else []
     return out
-
-
-def _strings(obj):
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _strings(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _strings(v)
 
 
 @pytest.fixture(scope="module")

@@ -136,7 +136,7 @@ def test_cleaning_can_be_turned_off_and_rules_are_data(planted, tokenizer, tmp_p
             filters=False, dedup=False, shipped_eval_sets=False, **FAST)
     assert json.loads((out / "report.json").read_text())["documents"]["dropped"] == 0
     toml = tmp_path / "q.toml"
-    toml.write_text("[quality]\nmin_words = 40\nmin_script_share = -1\n", encoding="utf-8")
+    toml.write_text("[quality]\nmin_words = 40\nmin_script_share = 0\n", encoding="utf-8")  # 0: rule off
     cfg = load_config(toml)
     assert cfg.quality.check(HINDI) == "min_words" and cfg.quality.check(" ".join(["শব্দ"] * 10)) == "min_words"
     assert cfg.dedup["bands"] == 14  # sections not given keep their defaults

@@ -72,3 +72,15 @@ def test_an_early_stopped_run_counts_as_finished(tmp_path: Path) -> None:
     (run / layout.EARLY_STOP).write_text('{"step": 80, "best_step": 40}')
     assert finished(run, 200)
     assert early_stop_flags()[0] == "--early-stop-patience"
+
+
+def test_a_hugging_face_corpus_is_passed_to_prepare_unchecked_but_a_missing_path_is_refused(tmp_path: Path) -> None:
+    """`--corpus hf:NAME` is a dataset training.prepare streams (and checks); a path must exist up front."""
+    import pytest
+
+    from demo.quickstart import QuickstartError, build_parser, check_inputs
+
+    check_inputs(build_parser().parse_args(["--corpus", "hf:allenai/c4:bn", "--out", str(tmp_path / "q")]))
+    with pytest.raises(QuickstartError, match="missing.txt"):
+        check_inputs(build_parser().parse_args(["--corpus", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "q")]))
+    assert not (tmp_path / "q").exists()

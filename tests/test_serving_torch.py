@@ -232,7 +232,7 @@ def test_cli_errors_are_one_line(serve_run, tmp_path):  # noqa: F811
     p = run_cli(str(tmp_path / "missing"), "--prompt", "x")
     assert p.returncode == 2 and p.stderr.startswith("error: model not found") and "Traceback" not in p.stderr
     p = run_cli(str(serve_run), "--prompt", "x", "--top-p", "0")
-    assert p.returncode == 2 and "top_p" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert p.returncode == 2 and "--top-p" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     p = run_cli(str(serve_run), "--prompt", "বাংলা " * 600)
     assert p.returncode == 2 and "context" in p.stderr and "Traceback" not in p.stderr
 

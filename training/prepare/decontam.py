@@ -49,15 +49,16 @@ def content_sha256(path: str | Path) -> str:
     return hashlib.sha256(normalize(raw.decode("utf-8", errors="replace")).encode("utf-8")).hexdigest()
 
 
-def _strings(obj: object) -> Iterator[str]:
+def json_strings(obj: object) -> Iterator[str]:
+    """Every string inside a parsed JSON value (the text of a chat or multiple-choice record)."""
     if isinstance(obj, str):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _strings(v)
+            yield from json_strings(v)
     elif isinstance(obj, list):
         for v in obj:
-            yield from _strings(v)
+            yield from json_strings(v)
 
 
 def _records(path: Path) -> list:
@@ -82,7 +83,7 @@ def eval_texts(path: Path) -> tuple[list[str], str]:
                 how = f"{len(recs)} records"
             texts: list[str] = []
             for r in recs:
-                parts = [s for s in _strings(r.get("messages", r) if isinstance(r, dict) else r)
+                parts = [s for s in json_strings(r.get("messages", r) if isinstance(r, dict) else r)
                          if len(s.split()) > 1]
                 texts.extend(parts)
                 texts.append(" ".join(parts))
