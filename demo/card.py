@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demo.models import ModelEntry
-from serving import Backend
+from serving import Backend, describe
+from serving.chat_session import is_prodip as serves_prodip
 from training import layout
 from training.checkpoint import latest
 from training.evaluate.cli import EVAL_DIR
@@ -190,19 +191,7 @@ def parity_row(entry: ModelEntry, run: Path | None) -> str:
 
 
 def is_prodip(backend: Backend | None) -> bool:
-    # serving's llama.cpp backend says whether prodip wrote the GGUF; other backends only open prodip files
-    return bool(getattr(backend, "prodip", True)) if backend is not None else True
-
-
-def describe(backend: Backend | None) -> dict:
-    fn = getattr(backend, "describe", None)
-    if not callable(fn):
-        return {}
-    try:
-        d = fn()
-    except (ValueError, OSError, RuntimeError):
-        return {}
-    return d if isinstance(d, dict) else {}
+    return serves_prodip(backend) if backend is not None else True
 
 
 def file_row(entry: ModelEntry) -> str:
@@ -221,7 +210,7 @@ def model_card(entry: ModelEntry, backend: Backend | None = None) -> Card:
     rows = card.rows
     rows.append(("runtime", f"{entry.backend}" + (f" ({backend.name}, context {backend.n_ctx})" if backend else "")))
     rows.append(("file", file_row(entry)))
-    info = describe(backend)
+    info = describe(backend) if backend is not None else {}
     if not prodip:
         rows.append(("kind", FOREIGN_NOTE))
         rows += [(str(k), f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))

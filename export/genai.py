@@ -30,7 +30,9 @@ from pathlib import Path
 
 from export import ExportError
 from export.hf import SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, special_tokens_map, tokenizer_config
+from export.hf_tokenizer import write_tokenizer_json
 from serving.onnxrt import CONFIG_FILE, TOKENIZER_FILE, VARIANT_FILES, read_config
+from training.tokenizer import Tokenizer
 
 GENAI_CONFIG = "genai_config.json"
 GENAI_DIR = "genai"
@@ -72,23 +74,6 @@ def genai_config(onnx_cfg: dict, model_file: str) -> dict:
     }
 
 
-def write_tokenizer_json(d: Path) -> Path:
-    """tokenizer.json (Hugging Face `tokenizers` format), which onnxruntime-extensions requires, made
-    from the SentencePiece model + tokenizer_config.json in `d` by transformers' own converter (the
-    conversion the docs verify to give our training ids on NFC text)."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ExportError("ONNX Runtime GenAI files need tokenizer.json, made with transformers: "
-                          "pip install transformers (or prodip[dev])") from None
-    tok = AutoTokenizer.from_pretrained(str(d))
-    if not tok.is_fast:
-        raise ExportError(f"transformers {getattr(tok, 'name_or_path', d)} gave no fast tokenizer to save")
-    out = d / TOKENIZER_JSON
-    tok.backend_tokenizer.save(str(out))
-    return out
-
-
 def _link(src: Path, dst: Path) -> Path:
     """dst as a hard link to src (a copy across file systems); an existing dst is replaced."""
     tmp = dst.with_name(f".{dst.name}.tmp")
@@ -125,7 +110,8 @@ def write_genai_files(onnx_dir: Path, src, *, variants: tuple[str, ...] = ("fp32
             (d / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
             written.append(d / name)
         (d / TOKENIZER_FILE).write_bytes((onnx_dir / TOKENIZER_FILE).read_bytes())
-        written.append(write_tokenizer_json(d))
+        # the HF export's tokenizer.json: our SentencePiece model + training.text.normalize, one builder
+        written.append(write_tokenizer_json(Tokenizer.load(d / TOKENIZER_FILE), d / TOKENIZER_JSON))
         target.write_text(json.dumps(genai_config(cfg, model.name), indent=2) + "\n", encoding="utf-8")
         written += [d / TOKENIZER_FILE, target]  # the config last: it marks a complete folder
     return written

@@ -19,6 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+TATOEBA = ("bn", "dev", "tatoeba_bn.txt")  # 5,120 modern Bangla lines under SHARED_DATA: opt-in breadth
 
 
 ASSETS = REPO / "training" / "assets"

@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ASSETS, shared_path
+from conftest import ASSETS, TATOEBA, shared_path
 
 from training.text import normalize
 
-TATOEBA = ("bn", "dev", "tatoeba_bn.txt")  # under ../shared/data
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
 
 

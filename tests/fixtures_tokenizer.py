@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import CORPUS, ORTHOGRAPHY, SHARED_DATA, shared_path
+from conftest import CORPUS, ORTHOGRAPHY
 
-SHARED = SHARED_DATA
-TATOEBA = SHARED / "bn" / "dev" / "tatoeba_bn.txt"
 # Files of both registers, chosen to contain both spellings of the nukta letters (checked in test_text).
 BN_FILES = ("bn/train/majantali_bnarchive/RabindranathTagore_Prose_GalpaGuchchha_1.md",
             "bn/train/majantali_bnarchive_wip/RabindranathTagore_Prose_NaukaaDubi.md",
@@ -24,10 +22,6 @@ def shipped_lines() -> list[str]:
     the (un-normalized) orthography file."""
     files = [*sorted(CORPUS.glob("*.txt")), *sorted(CORPUS.parent.glob("[ec]*/*.txt")), ORTHOGRAPHY]
     return [ln for f in files for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
-
-
-def need_shared(*parts: str) -> Path:
-    return shared_path(*parts)  # opt-in breadth: conftest decides skip or fail
 
 
 def head_paragraphs(path: Path, max_bytes: int, skip_bytes: int = 0) -> str:

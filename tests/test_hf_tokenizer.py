@@ -11,8 +11,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-from conftest import ASSETS, ORTHOGRAPHY, shared_path
-from fixtures_export import TATOEBA
+from conftest import ASSETS, ORTHOGRAPHY, TATOEBA, shared_path
 
 from export.hf import FAST_CLASS, write_tokenizer
 from export.hf_tokenizer import build, normalizer

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures_tokenizer import SHARED, need_shared, write_subset
+from conftest import SHARED_DATA, shared_path
+from fixtures_tokenizer import write_subset
 
 from training.data import TokenStream, read_header, read_meta
 from training.fertility import (
@@ -363,7 +364,7 @@ def test_cli_prints_the_fertility_table_and_fails_gates_with_exit_1(corpus, tmp_
 
 def test_healthy_tokenizer_on_the_whole_shared_training_corpus(tmp_path):
     """bn/train + en/train at the default 8k vocabulary: both gates pass, Bangla well above the floor."""
-    bn, en = need_shared("bn", "train"), need_shared("en", "train")
+    bn, en = shared_path("bn", "train"), shared_path("en", "train")
     t0 = time.process_time()  # CPU time of this process (workers=1: everything runs here), not wall time
     meta = prepare([bn, en], tmp_path / "data", **FAST)
     elapsed = time.process_time() - t0
@@ -375,4 +376,4 @@ def test_healthy_tokenizer_on_the_whole_shared_training_corpus(tmp_path):
     docs = report["documents"]
     assert 0 < docs["dropped"] < 0.15 * docs["raw"], docs  # cleaning removes little of edited literature
     assert elapsed < 60, f"whole-corpus prepare took {elapsed:.0f} CPU seconds"
-    assert SHARED.exists()
+    assert SHARED_DATA.exists()

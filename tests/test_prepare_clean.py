@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 from conftest import CORPUS
 
-from training.data import TokenStream
+from training.data import decoded_documents
 from training.prepare import PrepareError, iter_file_docs, prepare, resolve_inputs, status_for
 from training.prepare.dedup import DedupIndex, U64Set, band_keys, word_hashes
 from training.prepare.quality import load_config
 from training.text import detect_language, match_words
-from training.tokenizer import Tokenizer
 
 FAST = {"workers": 1, "progress": False}
 VOCAB = 2048
@@ -78,19 +77,7 @@ def cleaned(planted, tokenizer, tmp_path_factory) -> Path:
 
 
 def decoded_docs(data: Path) -> list[str]:
-    tok = Tokenizer.load(data)
-    docs = []
-    for split in ("train", "val"):
-        ids = np.concatenate([np.asarray(p) for p in TokenStream(data, split).parts]).tolist()
-        cur: list[int] = []
-        for t in ids:
-            if t == tok.bos_id:
-                cur = []
-            elif t == tok.eos_id:
-                docs.append(tok.decode(cur))
-            else:
-                cur.append(t)
-    return docs
+    return [d for split in ("train", "val") for d in decoded_documents(data, split)]
 
 
 def test_planted_failures_are_caught_by_name(cleaned, planted):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import unicodedata
 
 import pytest
-from conftest import ORTHOGRAPHY
-from fixtures_tokenizer import BN_FILES, TATOEBA, need_shared, shipped_lines
+from conftest import ORTHOGRAPHY, TATOEBA, shared_path
+from fixtures_tokenizer import BN_FILES, shipped_lines
 
 from training.text import (
     BOM,
@@ -50,7 +50,7 @@ def test_bom_and_carriage_returns_are_cleaned():
 def test_idempotent_and_stable_on_real_text(source):
     """On every clone: the shipped text; opt-in breadth: Tatoeba's 5,120 lines."""
     lines = (shipped_lines() if source == "shipped"
-             else need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines())
+             else shared_path(*TATOEBA).read_text(encoding="utf-8").splitlines())
     for line in lines:
         n = normalize(line)
         assert normalize(n) == n and is_normalized(n)
@@ -65,7 +65,7 @@ def test_files_with_either_spelling_agree_after_normalize(source):
     if source == "shipped":
         texts, least = [ORTHOGRAPHY.read_text(encoding="utf-8")], 10
     else:
-        texts = [need_shared(*rel.split("/")).read_text(encoding="utf-8") for rel in BN_FILES] + [TATOEBA.read_text()]
+        texts = [shared_path(*rel.split("/")).read_text(encoding="utf-8") for rel in BN_FILES] + [shared_path(*TATOEBA).read_text(encoding="utf-8")]
         least = 1000
     raw_pre = sum(t.count(c) for t in texts for c in PRECOMPOSED)
     raw_nukta = sum(t.count(NUKTA) for t in texts)

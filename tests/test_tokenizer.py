@@ -7,8 +7,8 @@ as training.prepare trains it; Tatoeba lines (../shared/data) add opt-in breadth
 from __future__ import annotations
 
 import pytest
-from conftest import CORPUS, ORTHOGRAPHY
-from fixtures_tokenizer import need_shared, shipped_lines, write_subset
+from conftest import CORPUS, ORTHOGRAPHY, TATOEBA, shared_path
+from fixtures_tokenizer import shipped_lines, write_subset
 
 from training.prepare import iter_file_docs, resolve_inputs
 from training.text import NUKTA, ZWJ, ZWNJ, normalize
@@ -57,7 +57,7 @@ def test_real_lines_in_either_spelling_give_identical_ids(tok, source):
     if source == "shipped":
         lines, least = [_precomposed(ln) for ln in shipped_lines()], 100
     else:
-        lines, least = need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines(), 500
+        lines, least = shared_path(*TATOEBA).read_text(encoding="utf-8").splitlines(), 500
     lines = [ln for ln in lines if any(c in ln for c in "\u09dc\u09dd\u09df")]
     assert len(lines) > least
     for ln in lines:
@@ -74,7 +74,7 @@ def test_zwj_and_zwnj_are_preserved_not_folded(tok):
 @pytest.mark.parametrize("source", ["shipped", "tatoeba"])
 def test_real_zwj_and_zwnj_lines_roundtrip(tok, source):
     """On every clone the shipped orthography file; opt-in breadth: Tatoeba's modern Bangla."""
-    text = (ORTHOGRAPHY if source == "shipped" else need_shared("bn", "dev", "tatoeba_bn.txt")).read_text(encoding="utf-8")
+    text = (ORTHOGRAPHY if source == "shipped" else shared_path(*TATOEBA)).read_text(encoding="utf-8")
     lines = [ln for ln in text.splitlines() if ZWJ in ln or ZWNJ in ln]
     assert lines, "the file holds ZWJ/ZWNJ lines"
     for ln in lines:
@@ -88,7 +88,7 @@ def test_decode_encode_roundtrip_every_line(tok, source):
         lines = shipped_lines()
         assert len(lines) > 1000
     else:
-        lines = need_shared("bn", "dev", "tatoeba_bn.txt").read_text(encoding="utf-8").splitlines()
+        lines = shared_path(*TATOEBA).read_text(encoding="utf-8").splitlines()
         assert len(lines) == 5120
     bad = [ln for ln in lines if tok.decode(tok.encode(ln)) != normalize(ln)]
     assert not bad, bad[:3]

@@ -171,6 +171,22 @@ class TokenStream:
         return out
 
 
+def decoded_documents(data_dir: Path, split: str) -> list[str]:
+    """The documents of one split, read back from its shards and decoded (each is <s> ids </s>):
+    exactly the text the model trains or is evaluated on, for reports and checks."""
+    tok = Tokenizer.load(data_dir)
+    ids = np.concatenate(TokenStream(data_dir, split).parts).tolist()
+    docs, cur = [], []
+    for t in ids:
+        if t == tok.bos_id:
+            cur = []
+        elif t == tok.eos_id:
+            docs.append(tok.decode(cur))
+        else:
+            cur.append(t)
+    return docs
+
+
 # ------------------------------------------------------------------------------------------ loaders
 Batch = tuple[torch.Tensor, ...]  # (x, y), or (x, y, loss_mask) where some targets do not count
 

@@ -42,21 +42,9 @@ GOAL_MAX_VOCAB = 65536
 
 def val_docs(data_dir: Path) -> list[str]:
     """The held-out documents, read back from the val shards (exactly what the model is evaluated on)."""
-    import numpy as np
+    from training.data import decoded_documents
 
-    from training.data import TokenStream
-
-    tok = Tokenizer.load(data_dir)
-    ids = np.concatenate([np.asarray(p) for p in TokenStream(data_dir, "val").parts]).tolist()
-    docs, cur = [], []
-    for t in ids:
-        if t == tok.bos_id:
-            cur = []
-        elif t == tok.eos_id:
-            docs.append(tok.decode(cur))
-        else:
-            cur.append(t)
-    return docs
+    return decoded_documents(data_dir, "val")
 
 
 def cpt(rep: dict, lang: str) -> float | None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from training.evaluate.providers import EvalError, LogProbProvider
 from training.evaluate.text import Span, score_spans
+from training.files import expand_files
 from training.records import read_records
 from training.text import normalize
 
@@ -124,18 +125,7 @@ def mc_set_name(path: str | Path) -> str:
 
 def expand_mc_paths(paths: Sequence[str | Path]) -> list[Path]:
     """Files as given; folders expand to their *.json / *.jsonl files."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.suffix in MC_EXTENSIONS and f.is_file())
-            if not found:
-                raise EvalError(f"no *.json/*.jsonl multiple-choice files in {p}")
-            out.extend(found)
-        elif p.is_file():
-            out.append(p)
-        else:
-            raise EvalError(f"multiple-choice file not found: {p}")
-    return out
+    return expand_files(paths, EvalError, what="multiple-choice file", suffixes=MC_EXTENSIONS, recursive=False)
 
 
 def wilson_interval(correct: int, n: int, z: float = WILSON_Z) -> tuple[float, float]:

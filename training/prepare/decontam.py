@@ -25,10 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from training.files import expand_files
 from training.prepare.dedup import extend_ngrams, ngram_hashes, word_hashes
 from training.prepare.errors import PrepareError
 from training.text import match_words, normalize
 
+EVAL_TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".ndjson", ".tsv")  # what --decontaminate folders yield
 HELD_OUT_SPLITS = ("test", "validation", "val", "dev")  # the splits training/sft.py holds out
 _ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_EVAL_SETS = (  # every evaluation text that ships with prodip: checked unless --no-shipped-eval
@@ -96,18 +98,7 @@ def eval_texts(path: Path) -> tuple[list[str], str]:
 
 def resolve_eval_paths(paths: Sequence[str | Path], shipped: bool = True) -> list[Path]:
     out = [p for p in SHIPPED_EVAL_SETS if p.is_file()] if shipped else []
-    for raw in paths:
-        p = Path(raw)
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
-                           and f.suffix.lower() in (".txt", ".md", ".jsonl", ".json", ".ndjson", ".tsv"))
-            if not found:
-                raise PrepareError(f"--decontaminate {p}: no .txt/.md/.json/.jsonl/.tsv files in the folder")
-            out.extend(found)
-        elif p.is_file():
-            out.append(p)
-        else:
-            raise PrepareError(f"--decontaminate: not found: {p}")
+    out += expand_files(paths, PrepareError, what="--decontaminate", suffixes=EVAL_TEXT_SUFFIXES)
     seen: set[Path] = set()
     return [p for p in out if not (p.resolve() in seen or seen.add(p.resolve()))]
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.files import expand_files
 from training.prepare.errors import PrepareError, Unreadable
 from training.schema import unknown_name
 from training.text import normalize
@@ -46,20 +47,7 @@ def resolve_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     """Files to read, in a deterministic order: each input as given; folders recursively, sorted."""
     if not inputs:
         raise PrepareError("no --input given")
-    files: list[Path] = []
-    for raw in inputs:
-        p = Path(raw)
-        if not p.exists():
-            raise PrepareError(f"input not found: {p}")
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file()
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
-            if not found:
-                raise PrepareError(f"input folder has no files: {p}")
-            files.extend(found)
-        else:
-            files.append(p)
-    return files
+    return expand_files(inputs, PrepareError, what="input")
 
 
 class _TextLines:
