@@ -120,7 +120,7 @@ class Trainer:
         self.gate_report: gates.GateReport | None = None
         self.reset_record: dict | None = None  # the log.jsonl event of a --reset-optimizer resume
         # early stopping: best validation so far, kept in every checkpoint's state.json for an exact resume
-        self.patience = int(getattr(cfg, "early_stop_patience", 0) or 0)
+        self.patience = cfg.early_stop_patience
         self.best: dict = {"val_loss": None, "step": 0, "evals_since": 0}
         self.early_stopped: dict | None = None  # this session's early_stop record
         self.stopped_before: dict | None = None  # RUN_DIR/early_stop.json of an earlier session: nothing to do
@@ -231,7 +231,7 @@ class Trainer:
         return latest
 
     def log_options(self) -> dict:
-        log_to = getattr(self.cfg, "log_to", "")
+        log_to = self.cfg.log_to
         return {"log_to": log_to} if log_to else {}
 
     def commit(self) -> None:
@@ -304,7 +304,7 @@ class Trainer:
             raise ckpt.CheckpointError(f"cannot resume {path}: its {ckpt.CONFIG_FILE} differs from the run's "
                                        "model config")
         ckpt.check_fits(self.model, ck.weights, path / ckpt.MODEL_FILE)
-        reset = bool(getattr(self.cfg, "reset_optimizer", False))
+        reset = self.cfg.reset_optimizer
         optim_sd, rng, problem = None, {}, None
         try:
             optim_tensors, rng = ck.optimizer_and_rng(strict=True)
