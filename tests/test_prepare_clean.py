@@ -14,7 +14,7 @@ from conftest import CORPUS
 
 from training.data import decoded_documents
 from training.prepare import PrepareError, iter_file_docs, prepare, resolve_inputs, status_for
-from training.prepare.dedup import DedupIndex, U64Set, band_keys, word_hashes
+from training.prepare.dedup import U64Set, band_keys, word_hashes
 from training.prepare.quality import load_config
 from training.text import detect_language, match_words
 
@@ -147,19 +147,17 @@ def test_quality_rules_on_constructed_documents():
     assert q.check(boiler) == "max_boilerplate_frac"
 
 
-def test_near_duplicate_signatures_and_bounded_index():
+def test_near_duplicate_signatures_and_fixed_table():
     doc = long_docs(1)[0]
     kw = {"shingle_words": 5, "num_perm": 112, "bands": 14, "seed": 0}
     a = band_keys(word_hashes(match_words(doc)), **kw)
     b = band_keys(word_hashes(match_words(change_one_word(doc))), **kw)
     c = band_keys(word_hashes(match_words(long_docs(2)[1])), **kw)
     assert (a == b).sum() >= 3 and not (a == c).any()
-    s = U64Set()
+    s = U64Set(200_000)
     keys = np.random.default_rng(0).integers(0, 2**63, 200_000, dtype=np.uint64)
     s.add(keys[:100_000])
     assert s.contains(keys[:100_000]).all() and not s.contains(keys[100_000:]).any()
-    assert s.size == 100_000 and s.nbytes <= 100_000 * 8 / 0.375  # grows by doubling at load 0.75
-    idx = DedupIndex(max_index_mb=1)  # a tiny cap: indexing stops, checking goes on
-    for i, k in enumerate(keys[:40_000].tolist()):
-        assert idx.check(k, None) is None, i
-    assert idx.stats()["index_full_after_docs"] is not None and idx.nbytes <= 4 << 20
+    assert s.size == 100_000 and s.nbytes == 200_000 * 8  # a fixed table: it never grows
+    with pytest.raises(ValueError, match="full"):
+        s.add(keys[100_000:])  # 200,000 keys exceed 0.75 x 200,000 slots: refused, not grown

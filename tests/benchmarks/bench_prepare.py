@@ -1,7 +1,7 @@
 """Benchmark: training.prepare throughput per pass and per worker, scaling, peak RSS, and the
 projection for 2 B tokens on a 16-core machine.
 
-    .venv/bin/python tests/benchmarks/bench_prepare.py [--sizes-mb 200,800] [--stage-mb 20] [--workers 1,2]
+    .venv/bin/python tests/benchmarks/bench_prepare.py [--sizes-mb 250,1500] [--stage-mb 20] [--workers 1,2] [--memory-gb 2]
 
 1. Generates synthetic corpora (JSONL, Bangla-first) from the corpus shipped in training/assets with
    a word-bigram random walk per file (new text, not copied), with planted exact copies (4 %) and
@@ -9,11 +9,13 @@ projection for 2 B tokens on a 16-core machine.
 2. Per-pass rates, one process (`--stage-mb` of the corpus): read (main), clean/judge (worker:
    normalize, quality rules, decontamination n-grams, MinHash), dedup index (main), encode (worker:
    normalize + SentencePiece), shard writing (main), in MB of input per CPU-second.
-3. The whole pipeline (`python -m training.prepare --tokenizer ...`) on the first size with each
-   worker count (scaling), on the other sizes with the most workers, in a subprocess: wall time, CPU time, peak RSS of the main process and of the largest
-   worker (getrusage), and the dedup index size.
-4. The projection: 2 B tokens at the measured bytes/token; worker passes divide by the cores left
-   after the main process, the main process's serial work does not.
+3. The whole pipeline (`prepare(..., tokenizer=..., memory_gb=...)`) on the first size with each
+   worker count (scaling), on the other sizes with the most workers, in a subprocess: wall time, CPU
+   time, peak RSS of the main process (VmHWM) and of the largest worker, and the peaks of the summed
+   RSS and PSS of the whole process tree (sampled every 0.25 s from /proc), the dedup index size.
+4. Memory flatness: the peaks of the smallest and the largest corpus, in % growth.
+5. The projection: 2 B tokens at the measured bytes/token; worker passes divide by the workers the
+   memory budget fits on 16 cores, the main process's serial work does not.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -37,6 +40,8 @@ from training.prepare.decontam import EvalIndex, resolve_eval_paths  # noqa: E40
 from training.prepare.dedup import DedupIndex  # noqa: E402
 from training.prepare.encode import encode_chunk  # noqa: E402
 from training.prepare.encode import init_worker as init_encoder  # noqa: E402
+from training.prepare.memory import DEFAULT_MEMORY_GB, plan_memory  # noqa: E402
+from training.prepare.options import DEFAULT_SHARD_TOKENS  # noqa: E402
 from training.prepare.pool import chunks  # noqa: E402
 from training.prepare.quality import load_config  # noqa: E402
 from training.prepare.sources import FileSource, iter_file_docs, resolve_inputs  # noqa: E402
@@ -168,67 +173,95 @@ def stage_rates(corpus: Path, tokenizer: Path, limit_mb: float) -> dict[str, flo
 # ---------------------------------------------------------------- whole pipeline, subprocess
 
 RUNNER = """
-import json, os, sys, threading, time
+import json, os, sys, time
 from training.prepare import prepare
 
-def rss_kb(pid, field):
+def hwm_kb():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM'):
+            return int(line.split()[1])
+
+t0, c0 = time.perf_counter(), os.times()
+meta = prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], workers=int(sys.argv[4]), progress=False,
+               force=True, fertility_floor=1.0, skip_gates=['tokenizer.balance'], memory_gb=float(sys.argv[5]))
+wall, c = time.perf_counter() - t0, os.times()
+rep = json.load(open(sys.argv[2] + '/report.json'))
+print(json.dumps({'wall': wall, 'cpu': sum(c[:4]) - sum(c0[:4]), 'main_cpu': c[0] + c[1] - c0[0] - c0[1],
+                  'rss_main_mb': hwm_kb() / 1024, 'tokens': sum(s['n_tokens'] for s in meta['splits'].values()),
+                  'memory': rep['memory'], 'dedup': rep['dedup'], 'dropped': rep['documents']['dropped_by_reason']}))
+"""
+SAMPLE_S = 0.5
+
+
+def _proc_kb(path: str, field: str) -> int:
     try:
-        for line in open(f'/proc/{pid}/status'):
-            if line.startswith(field):
-                return int(line.split()[1])
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
     except OSError:
         pass
     return 0
 
-def children(pid):
-    out = []
-    for d in os.listdir('/proc'):
-        if d.isdigit():
-            try:
-                if int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == pid:
-                    out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants (the pool's workers), from /proc/PID/task/PID/children."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
     return out
 
-peak = {'worker': 0, 'total': 0}
-def sample():  # VmHWM of each worker, and the largest sum of all processes' VmRSS at one moment
-    me = os.getpid()
-    while True:
-        kids = children(me)
-        peak['worker'] = max([peak['worker']] + [rss_kb(k, 'VmHWM') for k in kids])
-        peak['total'] = max(peak['total'], rss_kb(me, 'VmRSS') + sum(rss_kb(k, 'VmRSS') for k in kids))
-        time.sleep(0.5)
-threading.Thread(target=sample, daemon=True).start()
-t0, c0 = time.perf_counter(), os.times()
-meta = prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], workers=int(sys.argv[4]), progress=False,
-               force=True, fertility_floor=1.0, skip_gates=['tokenizer.balance'])
-wall, c = time.perf_counter() - t0, os.times()
-rep = json.load(open(sys.argv[2] + '/report.json'))
-print(json.dumps({'wall': wall, 'cpu': sum(c[:4]) - sum(c0[:4]), 'main_cpu': c[0] + c[1] - c0[0] - c0[1],
-                  'rss_main_mb': rss_kb(os.getpid(), 'VmHWM') / 1024, 'rss_worker_mb': peak['worker'] / 1024,
-                  'rss_total_mb': peak['total'] / 1024,
-                  'tokens': sum(s['n_tokens'] for s in meta['splits'].values()),
-                  'dedup': rep['dedup'], 'dropped': rep['documents']['dropped_by_reason']}))
-"""
+
+def sample_tree(proc: subprocess.Popen, peak: dict) -> None:
+    """Until `proc` ends, every SAMPLE_S: the largest worker VmHWM and the peaks of the summed RSS and
+    PSS (shared pages split between the processes sharing them) over its whole process tree. It runs
+    in the benchmark's process, so its own CPU time is not counted as the pipeline's."""
+    while proc.poll() is None:
+        procs = _tree(proc.pid)
+        kids = procs[1:]
+        peak["worker"] = max([peak["worker"]] + [_proc_kb(f"/proc/{k}/status", "VmHWM") for k in kids])
+        peak["rss_all"] = max(peak["rss_all"], sum(_proc_kb(f"/proc/{k}/status", "VmRSS") for k in procs))
+        peak["pss_all"] = max(peak["pss_all"], sum(_proc_kb(f"/proc/{k}/smaps_rollup", "Pss:") for k in procs))
+        peak["procs"] = max(peak["procs"], len(procs))
+        time.sleep(SAMPLE_S)
 
 
-def whole(corpus: Path, tokenizer: Path, workers: int, out: Path) -> dict:
+def whole(corpus: Path, tokenizer: Path, workers: int, out: Path, memory_gb: float) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", RUNNER, str(corpus), str(out), str(tokenizer), str(workers)],
-                       capture_output=True, text=True, cwd=REPO, env=env)
-    if p.returncode:
-        raise SystemExit(f"prepare failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER, str(corpus), str(out), str(tokenizer), str(workers),
+                             str(memory_gb)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env)
+    peak = {"worker": 0, "rss_all": 0, "pss_all": 0, "procs": 0}
+    sampler = threading.Thread(target=sample_tree, args=(proc, peak), daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate()
+    sampler.join()
+    if proc.returncode:
+        raise SystemExit(f"prepare failed:\n{stderr[-3000:]}")
+    r = json.loads(stdout.strip().splitlines()[-1])
+    return {**r, "rss_worker_mb": peak["worker"] / 1024, "rss_all_mb": peak["rss_all"] / 1024,
+            "pss_all_mb": peak["pss_all"] / 1024, "procs": peak["procs"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-mb", default="250,1500", help="corpus sizes (MB), comma-separated")
+    ap.add_argument("--stage-mb", type=float, default=20, help="MB of the first corpus for the per-pass rates")
+    ap.add_argument("--workers", default=f"1,{os.cpu_count()}", help="worker counts for the first size (scaling)")
+    ap.add_argument("--memory-gb", type=float, default=DEFAULT_MEMORY_GB, help="prepare's memory budget")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "prodip_bench_prepare",
+                    help="where the generated corpora and outputs go (outside the repository)")
+    return ap
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes-mb", default="200,800")
-    ap.add_argument("--stage-mb", type=float, default=20)
-    ap.add_argument("--workers", default=f"1,{os.cpu_count()}")
-    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "prodip_bench_prepare")
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     workers = sorted({int(w) for w in args.workers.split(",")})
     args.work.mkdir(parents=True, exist_ok=True)
@@ -253,43 +286,58 @@ def main() -> None:
     print(f"\nkept after cleaning: {rates['_kept_share']:.1%} of bytes; {rates['_bytes_per_token']:.2f} bytes/token",
           flush=True)
 
-    print("\n## Whole pipeline (clean + encode + write, --tokenizer given)\n")
-    print("| corpus | workers | wall s | CPU s (main) | MB/s wall | MB per CPU-s | peak RSS main | peak RSS worker | "
-          "peak RSS all | dedup index | tokens |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n## Whole pipeline (clean + encode + write, --tokenizer given, --memory-gb {args.memory_gb:g})\n")
+    print("| corpus | workers | wall s | CPU s (main) | MB per CPU-s | peak RSS main | peak RSS one worker | "
+          "peak RSS all processes | peak PSS all processes | dedup index (docs indexed / capacity) | tokens |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     results = {}
     for s in sizes:
         for w in (workers if s == sizes[0] else workers[-1:]):  # scaling on the first size only
-            r = whole(corpora[s], tokenizer, w, args.work / f"out_{s}_{w}")
+            r = whole(corpora[s], tokenizer, w, args.work / f"out_{s}_{w}", args.memory_gb)
             results[(s, w)] = r
-            print(f"| {s} MB | {w} | {r['wall']:.0f} | {r['cpu']:.0f} ({r['main_cpu']:.0f}) | {s / r['wall']:.2f} | {s / r['cpu']:.2f} | "
-                  f"{r['rss_main_mb']:.0f} MiB | {r['rss_worker_mb']:.0f} MiB | {r['rss_total_mb']:.0f} MiB | "
-                  f"{r['dedup']['index_bytes'] / 2**20:.0f} MiB ({r['dedup']['indexed_docs']:,} docs) | "
-                  f"{r['tokens']:,} |", flush=True)
-    project(rates, results, sizes)
+            d = r["dedup"]
+            print(f"| {s} MB | {r['memory']['workers']} | {r['wall']:.0f} | {r['cpu']:.0f} ({r['main_cpu']:.0f}) | "
+                  f"{s / r['cpu']:.2f} | {r['rss_main_mb']:.0f} MiB | {r['rss_worker_mb']:.0f} MiB | "
+                  f"{r['rss_all_mb']:.0f} MiB | {r['pss_all_mb']:.0f} MiB | {d['index_bytes'] / 2**20:.0f} MiB "
+                  f"({d['indexed_docs']:,} / {d['index_capacity_docs']:,}) | {r['tokens']:,} |", flush=True)
+    flatness(results, sizes, workers[-1])
+    project(rates, results, sizes, args.memory_gb)
 
 
-def project(rates: dict, results: dict, sizes: list[int]) -> None:
+def flatness(results: dict, sizes: list[int], w: int) -> None:
+    """Peak memory of the smallest and the largest corpus, same worker count: the growth in %."""
+    a, b = results[(sizes[0], w)], results[(sizes[-1], w)]
+    print(f"\n## Memory from {sizes[0]} MB to {sizes[-1]} MB ({sizes[-1] / sizes[0]:.0f}x the corpus), {w} workers\n")
+    for key, name in (("rss_main_mb", "peak RSS main process"), ("rss_all_mb", "peak RSS sum, all processes"),
+                      ("pss_all_mb", "peak PSS sum, all processes")):
+        print(f"{name}: {a[key]:.0f} -> {b[key]:.0f} MiB ({(b[key] / a[key] - 1):+.1%})")
+    print(f"budget: {a['memory']['budget_mb']} MiB (index {a['memory']['index_mb']} MiB, "
+          f"{a['memory']['workers']} workers)", flush=True)
+
+
+def project(rates: dict, results: dict, sizes: list[int], memory_gb: float) -> None:
     """2 B tokens on 16 cores, from CPU seconds (the load-independent figures) of the largest
-    multi-worker run: the main process's CPU is serial, the workers' CPU divides by the other cores."""
+    multi-worker run: the main process's CPU is serial, the workers' CPU divides by the workers the
+    memory budget allows on 16 cores (at most 15: one core is the main process's)."""
     s, w = max(results, key=lambda k: (k[0], k[1]))
     r = results[(s, w)]
+    plan = plan_memory(memory_gb, TARGET_CORES - 1, DEFAULT_SHARD_TOKENS, load_config().dedup["max_index_mb"])
+    n = plan.workers
     bpt, kept = rates["_bytes_per_token"], rates["_kept_share"]
     raw_mb = TARGET_TOKENS * bpt / kept / 1e6
     main_per_mb = r["main_cpu"] / s
     worker_per_mb = (r["cpu"] - r["main_cpu"]) / s
     main_s, worker_s = raw_mb * main_per_mb, raw_mb * worker_per_mb
-    wall = max(main_s, worker_s / (TARGET_CORES - 1))
-    print(f"\n## Projection: 2 B tokens on {TARGET_CORES} cores\n")
+    wall = max(main_s, worker_s / n)
+    print(f"\n## Projection: 2 B tokens on {TARGET_CORES} cores, --memory-gb {memory_gb:g}\n")
     print(f"{bpt:.2f} bytes/token (this tokenizer, this text), {kept:.0%} of the bytes kept -> "
           f"{raw_mb / 1e3:.1f} GB read. From the {s} MB run with {w} workers: main process "
           f"{1 / main_per_mb:.2f} MB per CPU-s (serial: reading, dedup index, shard writes, IPC) -> "
           f"{main_s / 60:.0f} min; workers {1 / worker_per_mb:.2f} MB per CPU-s -> {worker_s / 3600:.1f} "
-          f"CPU-hours / {TARGET_CORES - 1} cores = {worker_s / (TARGET_CORES - 1) / 60:.0f} min. "
+          f"CPU-hours / {n} workers (what --memory-gb {memory_gb:g} fits; index {plan.index_mb} MiB, "
+          f"{DedupIndex(plan.index_mb).capacity_docs:,} documents) = {worker_s / n / 60:.0f} min. "
           f"Projected wall: {wall / 60:.0f} min ({'meets' if wall <= 3600 else 'misses'} the 1 h target; "
           f"tokenizer training, a fixed cost, not included).")
-    for size in sizes:
-        rss = {ww: results[(size, ww)]["rss_main_mb"] for (ss, ww) in sorted(results) if ss == size}
-        print(f"peak RSS of the main process at {size} MB: " + ", ".join(f"{v:.0f} MiB ({k} workers)" for k, v in rss.items()))
     print(f"(this machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
 
 

@@ -21,6 +21,7 @@ from training.prepare.decontam import EvalIndex
 from training.prepare.dedup import DedupIndex, band_keys, exact_key, word_hashes
 from training.prepare.errors import PrepareError, Unreadable
 from training.prepare.keys import SALT_EVAL, hash_key, shard_of, split_of
+from training.prepare.memory import MemoryPlan
 from training.prepare.options import Options
 from training.prepare.pool import chunks, ordered_map, resolve_workers
 from training.prepare.quality import PrepConfig, QualityRules
@@ -32,6 +33,32 @@ EXAMPLES_PER_REASON = 3
 SNIPPET_CHARS = 300
 MAX_CONTAMINATED_RECORDED = 10_000
 OK = "ok"
+
+
+class HeldOutSample:
+    """The held-out documents with the smallest keyed hash, at most `max_docs` of them and
+    `max_chars` characters together: bounded memory at any corpus size, and the same documents
+    for any input order (always the longest hash-ordered prefix that fits)."""
+
+    def __init__(self, max_docs: int, max_chars: int):
+        self.max_docs, self.max_chars = max_docs, max_chars
+        self.heap: list[tuple[int, str]] = []  # (-key, doc): heap[0] holds the largest key
+        self.chars = 0
+        self.bound: int | None = None  # the smallest key ever evicted: larger ones can never fit
+
+    def offer(self, key: int, doc: str) -> None:
+        if self.bound is not None and key >= self.bound:
+            return
+        heapq.heappush(self.heap, (-key, doc))
+        self.chars += len(doc)
+        while len(self.heap) > self.max_docs or self.chars > self.max_chars:
+            neg, out = heapq.heappop(self.heap)
+            self.chars -= len(out)
+            self.bound = -neg if self.bound is None else min(self.bound, -neg)
+
+    def docs(self) -> list[str]:
+        """In key order."""
+        return [d for _, d in sorted(self.heap, reverse=True)]
 
 
 @dataclass
@@ -48,7 +75,7 @@ class CleanResult:
     dropped_chars: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[str]] = field(default_factory=dict)
     contaminated: list[dict] = field(default_factory=list)
-    eval_heap: list = field(default_factory=list)  # (-key, doc): bottom-k held-out docs by keyed hash
+    eval_sample: HeldOutSample = field(default_factory=lambda: HeldOutSample(1, 0))
     dedup: dict = field(default_factory=dict)
 
     def drop(self, reason: str, snippet: str, n_chars: int) -> None:
@@ -135,10 +162,11 @@ def judge_chunk(texts: list[str]) -> tuple[list[tuple], int]:
 
 
 def clean_pass(sources: list, skipped: list[dict], opt: Options, cfg: PrepConfig, eval_index: EvalIndex | None,
-               total_bytes: int) -> CleanResult:
-    res = CleanResult(sources=sources, skipped=skipped)
+               total_bytes: int, plan: MemoryPlan) -> CleanResult:
+    res = CleanResult(sources=sources, skipped=skipped,
+                      eval_sample=HeldOutSample(opt.eval_docs, plan.eval_sample_chars))
     dedup_cfg = {**cfg.dedup, "near": opt.near_dedup} if opt.dedup else None
-    index = DedupIndex(cfg.dedup["max_index_mb"], near=opt.near_dedup) if opt.dedup else None
+    index = DedupIndex(plan.index_mb, near=opt.near_dedup, bands=cfg.dedup["bands"]) if opt.dedup else None
     wopt = {"seed": opt.seed, "val_fraction": opt.val_fraction, "num_shards": opt.num_shards,
             "shard_index": opt.shard_index}
     bar = progress_bar(total=total_bytes or None, desc="clean", unit="B", unit_scale=True, unit_divisor=1000,
@@ -197,8 +225,4 @@ def _account(res: CleanResult, v: tuple, dup: str | None, opt: Options, eval_ind
     st["n_bytes"] += n_bytes
     res.lang_chars[lang] += n_chars
     if split == "val":
-        item = (-hash_key(text, SALT_EVAL, opt.seed), text)
-        if len(res.eval_heap) < opt.eval_docs:
-            heapq.heappush(res.eval_heap, item)
-        elif item > res.eval_heap[0]:
-            heapq.heapreplace(res.eval_heap, item)
+        res.eval_sample.offer(hash_key(text, SALT_EVAL, opt.seed), text)

@@ -21,6 +21,7 @@ from training.fertility import (
     GATE_NAMES,
 )
 from training.prepare.errors import GateFailed, PrepareError
+from training.prepare.memory import DEFAULT_MEMORY_GB
 from training.prepare.merge import merge
 from training.prepare.options import (
     DEFAULT_EVAL_DOCS,
@@ -98,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-tokens", type=_typed("shard_tokens"), default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help="tokens per shard file")
     p.add_argument("--workers", type=_typed("workers"), default=None, metavar="N",
-                   help="worker processes (default: all cores)")
+                   help="worker processes (default: all cores, as many as --memory-gb fits)")
+    p.add_argument("--memory-gb", type=_typed("memory_gb"), default=DEFAULT_MEMORY_GB, metavar="GB",
+                   help=f"memory of the main process and all workers together, GiB (default {DEFAULT_MEMORY_GB:g}): "
+                        "sets the worker count and the dedup index size")
     p.add_argument("--text-field", default=TEXT_FIELD, help="JSONL field / Parquet or dataset column holding the text")
     p.add_argument("--max-sentences", type=_typed("max_sentences"), default=DEFAULT_MAX_SENTENCES,
                    help="sentences sampled to train the tokenizer")

@@ -7,13 +7,15 @@ shares a band with probability 1 - (1 - s^rows)^bands). The first copy in input 
 
 Signatures are computed in the worker processes (`doc_keys`); the order-dependent decision runs in
 the main process (`DedupIndex.check`). The index holds 64-bit keys (1 exact + `bands` per kept
-document) in a numpy open-addressing table: 8 bytes per slot at load 0.375-0.75, i.e. 11-21 bytes
-per key, about 165-320 MB per million documents at 14 bands, capped by `max_index_mb`.
+document) in two fixed numpy open-addressing tables of `max_index_mb` together (the --memory-gb
+plan sets it), filled to at most MAX_LOAD: 8 / 0.75 = 10.7 bytes per key, 160 MB per million
+documents at 14 bands.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 from functools import lru_cache
 
 import numpy as np
@@ -21,7 +23,7 @@ import numpy as np
 from training.prepare.keys import SALT_EXACT, hash_key
 
 MAX_LOAD = 0.75
-MIN_CAPACITY = 1 << 16
+MIN_SLOTS = 1 << 10
 U32 = np.uint64(0xFFFFFFFF)
 NGRAM_BASE = np.uint64(0x100000001B3)
 
@@ -98,28 +100,39 @@ def band_keys(w: np.ndarray, *, shingle_words: int, num_perm: int, bands: int, s
 
 
 class U64Set:
-    """A set of uint64 keys in one numpy array (open addressing, linear probing, 0 = empty)."""
+    """A set of uint64 keys in one numpy array of fixed size (open addressing, linear probing,
+    0 = empty). The table never grows: `room` is how many more keys fit under MAX_LOAD and add()
+    refuses more, so its memory is bounded by construction."""
 
-    def __init__(self, capacity: int = MIN_CAPACITY):
-        cap = MIN_CAPACITY
-        while cap < capacity:
-            cap <<= 1
-        self.slots = np.zeros(cap, dtype=np.uint64)
+    def __init__(self, n_slots: int):
+        # An anonymous mapping, not np.zeros: numpy asks for huge pages on large arrays, so a few
+        # random keys would make the OS back (and zero) the whole table at once; here each 4 KiB
+        # page is backed when the first key lands in it, and a small corpus costs little.
+        self._mem = mmap.mmap(-1, max(int(n_slots), MIN_SLOTS) * 8)
+        self.slots = np.frombuffer(self._mem, dtype=np.uint64)
+        self.n = np.uint64(self.slots.size)
         self.size = 0
 
     @property
     def nbytes(self) -> int:
         return int(self.slots.nbytes)
 
+    @property
+    def room(self) -> int:
+        return int(MAX_LOAD * self.slots.size) - self.size
+
     @staticmethod
     def _fix(keys: np.ndarray) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.uint64)
         return np.where(keys == 0, np.uint64(1), keys)
 
+    def _next(self, slot: np.ndarray) -> np.ndarray:
+        slot = slot + np.uint64(1)
+        return np.where(slot == self.n, np.uint64(0), slot)
+
     def contains(self, keys: np.ndarray) -> np.ndarray:
         keys = self._fix(keys)
-        mask = np.uint64(self.slots.size - 1)
-        slot = keys & mask
+        slot = keys % self.n
         found = np.zeros(keys.size, dtype=bool)
         active = np.arange(keys.size)
         while active.size:
@@ -127,29 +140,19 @@ class U64Set:
             hit = v == keys[active]
             found[active[hit]] = True
             active = active[~(hit | (v == 0))]
-            slot[active] = (slot[active] + np.uint64(1)) & mask
+            slot[active] = self._next(slot[active])
         return found
 
     def add(self, keys: np.ndarray) -> None:
         keys = np.unique(self._fix(keys))
         keys = keys[~self.contains(keys)]
-        if (self.size + keys.size) > MAX_LOAD * self.slots.size:
-            self._grow(self.size + keys.size)
+        if keys.size > self.room:
+            raise ValueError(f"U64Set full: {keys.size:,} new keys, room for {self.room:,}")
         self._insert(keys)
-
-    def _grow(self, need: int) -> None:
-        cap = self.slots.size
-        while need > MAX_LOAD * cap:
-            cap <<= 1
-        old = self.slots[self.slots != 0]
-        self.slots = np.zeros(cap, dtype=np.uint64)
-        self.size = 0
-        self._insert(old)
 
     def _insert(self, keys: np.ndarray) -> None:
         """Insert distinct absent keys: each round, one key per empty slot wins, the rest probe on."""
-        mask = np.uint64(self.slots.size - 1)
-        pending, slot = keys, keys & mask
+        pending, slot = keys, keys % self.n
         while pending.size:
             empty = np.flatnonzero(self.slots[slot] == 0)
             _, first = np.unique(slot[empty], return_index=True)
@@ -157,17 +160,26 @@ class U64Set:
             self.slots[slot[win]] = pending[win]
             lost = np.ones(pending.size, dtype=bool)
             lost[win] = False
-            pending, slot = pending[lost], (slot[lost] + np.uint64(1)) & mask
+            pending, slot = pending[lost], self._next(slot[lost])
         self.size += keys.size
 
 
 class DedupIndex:
-    """The order-dependent half of deduplication: first copy kept, later exact/near copies dropped."""
+    """The order-dependent half of deduplication: first copy kept, later exact/near copies dropped.
 
-    def __init__(self, max_index_mb: int, near: bool = True):
-        self.exact, self.bands = U64Set(), U64Set()
-        self.max_bytes = max_index_mb << 20
+    Two fixed tables sized from `max_index_mb` at the start (exact keys: 1 slot in 1 + bands,
+    band keys: the rest), so the index never holds more than its cap. When a chunk's keys no longer
+    fit under MAX_LOAD, indexing stops (`full_after`): later documents are still checked against
+    everything indexed so far, but no longer added."""
+
+    def __init__(self, max_index_mb: float, near: bool = True, bands: int = 14):
+        slots = int(max_index_mb * (1 << 20)) // 8
+        exact_slots = slots // (1 + bands) if near else slots
+        self.exact = U64Set(exact_slots)
+        self.bands = U64Set(slots - exact_slots) if near else None
+        self.max_bytes = int(max_index_mb * (1 << 20))
         self.near = near
+        self.n_bands = bands
         self.full_after: int | None = None  # documents indexed when the cap was reached
         self.n_indexed = 0
 
@@ -179,7 +191,7 @@ class DedupIndex:
     def check_chunk(self, exact: np.ndarray, bands: np.ndarray | None) -> list[str | None]:
         """check() for the documents of a chunk, in order: one vectorized lookup against the index,
         Python sets for copies inside the chunk, one vectorized insert at the end."""
-        near = self.near and bands is not None
+        near = self.near and bands is not None and self.bands is not None
         in_exact = self.exact.contains(exact)
         in_bands = self.bands.contains(bands.ravel()).reshape(bands.shape).any(axis=1) if near else None
         new_e: set[int] = set()
@@ -201,20 +213,30 @@ class DedupIndex:
                 if near:
                     kept_b.append(bands[i])
         if new_e:
-            if self.nbytes >= self.max_bytes:
-                self.full_after = self.n_indexed
+            kb = np.concatenate(kept_b) if kept_b else None
+            if len(new_e) > self.exact.room or (kb is not None and kb.size > self.bands.room):
+                self.full_after = self.n_indexed  # the cap: this chunk and all later ones stay out
             else:
                 self.exact.add(np.fromiter(new_e, dtype=np.uint64, count=len(new_e)))
-                if kept_b:
-                    self.bands.add(np.concatenate(kept_b))
+                if kb is not None:
+                    self.bands.add(kb)
                 self.n_indexed += len(new_e)
         return out
 
     @property
     def nbytes(self) -> int:
-        return self.exact.nbytes + self.bands.nbytes
+        return self.exact.nbytes + (self.bands.nbytes if self.bands is not None else 0)
+
+    @property
+    def capacity_docs(self) -> int:
+        """Kept documents the tables take before indexing stops."""
+        cap = self.exact.size + self.exact.room
+        if self.bands is not None:
+            cap = min(cap, (self.bands.size + self.bands.room) // self.n_bands)
+        return int(cap)
 
     def stats(self) -> dict:
         return {"indexed_docs": self.n_indexed, "index_bytes": self.nbytes,
-                "exact_keys": self.exact.size, "band_keys": self.bands.size,
+                "exact_keys": self.exact.size, "band_keys": self.bands.size if self.bands is not None else 0,
+                "index_capacity_docs": self.capacity_docs,
                 "index_full_after_docs": self.full_after}

@@ -15,14 +15,25 @@ from training.fertility import (
     GATE_NAMES,
 )
 from training.prepare.errors import PrepareError
+from training.prepare.memory import DEFAULT_MEMORY_GB
 from training.prepare.sources import TEXT_FIELD
-from training.schema import NonNegFloat, NonNegInt, PositiveInt, SchemaError, Seed, check, one_of, parse
+from training.schema import (
+    NonNegFloat,
+    NonNegInt,
+    PositiveFloat,
+    PositiveInt,
+    SchemaError,
+    Seed,
+    check,
+    one_of,
+    parse,
+)
 from training.text import LANGUAGES
 
 DATA_FORMAT_VERSION = 1
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_VAL_FRACTION = 0.05
-DEFAULT_SHARD_TOKENS = 1 << 26
+DEFAULT_SHARD_TOKENS = 1 << 24  # 16 M tokens: the shard buffer fills (and stays bounded) early
 DEFAULT_MAX_SENTENCES = 2_000_000
 DEFAULT_EVAL_DOCS = 50_000
 MIN_VOCAB_SIZE = 257  # byte fallback alone takes 256 pieces (SentencePiece says what more it needs)
@@ -37,6 +48,7 @@ OPTION_TYPES = {
     "fertility_floor": ("--fertility-floor", NonNegFloat), "fertility_ratio": ("--fertility-ratio", NonNegFloat),
     "max_sentences": ("--max-sentences", PositiveInt), "eval_docs": ("--eval-docs", PositiveInt),
     "shard_index": ("--shard-index", NonNegInt), "num_shards": ("--num-shards", PositiveInt),
+    "memory_gb": ("--memory-gb", PositiveFloat),
 }
 OPTIONAL = {"vocab_size", "workers"}  # None: the default (DEFAULT_VOCAB_SIZE or the tokenizer's; all cores)
 
@@ -69,6 +81,7 @@ class Options:
     shipped_eval_sets: bool = True
     shard_index: int = 0
     num_shards: int = 1
+    memory_gb: float = DEFAULT_MEMORY_GB  # main process + workers (training.prepare.memory)
 
     def validate(self) -> None:
         """Every option against the schema type its flag has (OPTION_TYPES), then the cross-checks."""

@@ -21,6 +21,7 @@ from training.prepare.clean import CleanResult, clean_pass, validate_files
 from training.prepare.decontam import EvalIndex, resolve_eval_paths
 from training.prepare.encode import encode_pass
 from training.prepare.errors import GateFailed, PrepareError
+from training.prepare.memory import plan_memory
 from training.prepare.options import (
     DATA_FORMAT_VERSION,
     DEFAULT_VOCAB_SIZE,
@@ -95,7 +96,7 @@ def _tokenizer(cr: CleanResult, opt: Options, keep: dict | None, given: Tokenize
 
 def _gates(tok: Tokenizer, cr: CleanResult, opt: Options, keep: dict | None) -> tuple[dict, GateReport]:
     """Fertility report on the held-out sample (after --mix) and the two gates; raises GateFailed."""
-    eval_docs = [d for _, d in sorted(cr.eval_heap, reverse=True) if mix_kept(d, keep, opt.seed) is not None]
+    eval_docs = [d for d in cr.eval_sample.docs() if mix_kept(d, keep, opt.seed) is not None]
     report = fertility_report(tok, eval_docs, target_char_share=opt.mix)
     report["held_out_docs"] = len(eval_docs)
     gates = fertility_gates(report, floor=opt.fertility_floor, ratio=opt.fertility_ratio,
@@ -123,8 +124,10 @@ def prepare(inputs: list, out: Path, **options) -> dict:
     eval_paths = resolve_eval_paths(opt.decontaminate, shipped=opt.shipped_eval_sets)
     eval_index = (EvalIndex.build(eval_paths, cfg.decontam["ngram_words"], cfg.decontam["min_words"])
                   if eval_paths else None)
+    plan = plan_memory(opt.memory_gb, opt.workers, opt.shard_tokens, cfg.dedup["max_index_mb"], opt.dedup)
+    opt.workers = plan.workers
     sources, skipped, total_bytes = validate_files(sources, opt)
-    cr = clean_pass(sources, skipped, opt, cfg, eval_index, total_bytes)
+    cr = clean_pass(sources, skipped, opt, cfg, eval_index, total_bytes, plan)
     if cr.n_raw == 0:
         raise PrepareError("no documents found in the inputs" + (
             f" ({len(skipped)} unreadable file(s) skipped)" if skipped else " (all files empty)"))
@@ -155,7 +158,7 @@ def prepare(inputs: list, out: Path, **options) -> dict:
         full = {"fertility": report, "gates": [g.to_dict() for g in greport.results],
                 "gate_options": {"fertility_floor": opt.fertility_floor, "fertility_ratio": opt.fertility_ratio,
                                  "balance_range": list(opt.balance_range), "skip_gates": opt.skip_gates},
-                "splits": stats, **sections}
+                "splits": stats, **sections, "memory": plan.to_dict()}
         if opt.num_shards > 1:
             full["shard"] = meta["shard"]
         _write_json(tmp / layout.DATA_REPORT, full)
