@@ -5,7 +5,8 @@ it wrote, with sizes. Every export ends with a parity run against the PyTorch ch
 parity.md, the card's table); the command exits 1 when a parity threshold is breached, 2 on bad input.
 
 GGUF types: --f32 --f16 --q8 (Q8_0) --q4 (Q4_K_M) and --type NAME for any llama.cpp file type
-(default: F16, Q8_0 and Q4_K_M); --imatrix [TEXT] quantizes K/IQ types with llama.cpp's importance matrix. ONNX: fp32 always, plus --int8 / --int4.
+(default: F16, Q8_0 and Q4_K_M); --imatrix [TEXT] quantizes K/IQ types with llama.cpp's importance matrix. ONNX: fp32 always, plus --int8 / --int4;
+--genai adds the files ONNX Runtime GenAI opens (onnx/genai/<variant>/).
 Parity thresholds: --threshold KIND.METRIC=VALUE (e.g. llama.cpp-Q4_K_M.kl=0.08), see export.parity.
 """
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("onnx")
     o.add_argument("--int8", action="store_true")
     o.add_argument("--int4", action="store_true")
+    o.add_argument("--genai", action="store_true",
+                   help="also write onnx/genai/<variant>/ for ONNX Runtime GenAI (genai_config.json, tokenizer.json)")
     q = p.add_argument_group("parity")
     q.add_argument("--no-parity", action="store_true", help="skip the parity run after exporting")
     q.add_argument("--threshold", action="append", default=[], metavar="KIND.METRIC=VALUE")
@@ -75,10 +78,12 @@ def export_onnx_files(src: Source, out: Path, manifest: Manifest, args: argparse
     from export.onnx import export_onnx  # imported only when asked for: onnx is heavy
     from serving.onnxrt import VARIANT_FILES
 
-    paths = export_onnx(src.path, out / layout.ONNX_DIR, int8=args.int8, int4=args.int4, force=args.force)
+    onnx_dir = out / layout.ONNX_DIR
+    paths = export_onnx(src, onnx_dir, int8=args.int8, int4=args.int4, force=args.force, genai=args.genai)
     by_file = {f: v for v, f in VARIANT_FILES.items()}
     for p in paths:
-        manifest.add(p, "onnx", by_file.get(p.name, p.suffix.lstrip(".")))
+        if p.parent == onnx_dir:  # genai/ holds hard links to these files and GenAI's own config: not parity's
+            manifest.add(p, "onnx", by_file.get(p.name, p.suffix.lstrip(".")))
     return paths
 
 
@@ -107,6 +112,10 @@ def planned_files(src: Source, out: Path, args: argparse.Namespace) -> list[Path
         from export.onnx import planned_outputs
 
         files += planned_outputs(out / layout.ONNX_DIR, args.int8, args.int4)
+        if args.genai:
+            from export.genai import GENAI_DIR
+
+            files.append(out / layout.ONNX_DIR / GENAI_DIR)
     if args.command in ("gguf", "all"):
         from export.gguf import canonical_type, gguf_path
 

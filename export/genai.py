@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from export import ExportError
@@ -117,4 +119,74 @@ def write_genai_files(onnx_dir: Path, src, *, variants: tuple[str, ...] = ("fp32
     return written
 
 
-__all__ = ["CONFIG_FILE", "GENAI_CONFIG", "GENAI_DIR", "genai_config", "write_genai_files"]
+@dataclass(frozen=True)
+class GenaiSpeed:
+    load_s: float  # og.Model: session creation, weights read
+    ttft_s: float  # the prompt's pass and the first new token
+    tokens_per_s: float  # decode rate after the first token
+    new_tokens: int
+
+
+def load_genai(genai_dir: Path, threads: int | None = None):
+    """og.Model over one genai/<variant> folder, on the CPU, with `threads` intra-op threads (None:
+    onnxruntime's default, all cores)."""
+    import onnxruntime_genai as og
+
+    config = og.Config(str(genai_dir))
+    config.clear_providers()  # CPU
+    if threads is not None:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    return og.Model(config)
+
+
+def genai_greedy(model, ids: list[int], new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """Greedy continuation of `ids` by ONNX Runtime GenAI (stops at an id in `stop_ids`, not yielded)."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids)
+    out: list[int] = []
+    while not gen.is_done() and len(out) < new_tokens:
+        gen.generate_next_token()
+        t = int(gen.get_next_tokens()[0])
+        if t in stop_ids:
+            break
+        out.append(t)
+    return out
+
+
+def genai_generate_speed(genai_dir: Path, ids: list[int], new_tokens: int = 32, threads: int | None = None,
+                         repeats: int = 2) -> GenaiSpeed:
+    """ONNX Runtime GenAI's speed on one folder written by write_genai_files: load time, time to first
+    token and greedy decode tokens/s for `new_tokens` tokens after the prompt `ids` (end-of-turn ids
+    ignored, so every run decodes the same length; best of `repeats` after a warm-up). For the
+    serving benchmark's table, beside our ONNX Runtime backend on the same model file."""
+    import onnxruntime_genai as og
+
+    t0 = time.perf_counter()
+    model = load_genai(Path(genai_dir), threads)
+    load_s = time.perf_counter() - t0
+    best_first, best_rate = float("inf"), 0.0
+    for _ in range(repeats + 1):  # the first run warms up
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(ids)
+        gen.generate_next_token()
+        first = time.perf_counter() - t0
+        n = 1
+        t1 = time.perf_counter()
+        while not gen.is_done() and n < new_tokens:
+            gen.generate_next_token()
+            n += 1
+        rate = (n - 1) / max(time.perf_counter() - t1, 1e-9)
+        best_first, best_rate = min(best_first, first), max(best_rate, rate)
+        del gen
+    return GenaiSpeed(load_s, best_first, best_rate, n)
+
+
+__all__ = ["CONFIG_FILE", "GENAI_CONFIG", "GENAI_DIR", "GenaiSpeed", "genai_config", "genai_generate_speed",
+           "genai_greedy", "load_genai", "write_genai_files"]

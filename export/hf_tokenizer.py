@@ -10,7 +10,11 @@ Each stage mirrors one of ours:
   virama, which NFC puts first; two Replace steps after NFC do that reordering. What stays different
   is text no one writes: U+09FE repeated or beside other above-marks (e.g. U+0301) before a
   nukta/virama, and combining marks of other scripts added after Unicode 9.
-- pre-tokenizer: SentencePiece's whitespace escape: " " -> "▁" (U+2581), no dummy prefix, no split.
+- spaces: SentencePiece's whitespace escape " " -> "▁" (U+2581), no dummy prefix, as the normalizer's
+  last step; the pre-tokenizer splits nothing (a Split on a string no text holds). Not `Metaspace`:
+  ONNX Runtime GenAI's tokenizer (onnxruntime-extensions) reads a Metaspace model as Llama's and
+  pre-splits it with Llama's regex, whose letter runs (\\p{L}+) end at every Bangla vowel sign and
+  virama (marks, \\p{M}): আমাদের became আম|াদ|ের. With the no-op Split it merges whole words, as we do.
 - model: BPE over our vocabulary with byte fallback. SentencePiece's BPE merges the adjacent pair
   whose merged piece scores highest; `tokenizers` merges the pair of lowest rank, so the merges are
   every (left, right) split of a normal piece into two pieces, ranked by the merged piece's score.
@@ -34,16 +38,19 @@ from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK, Tokenizer
 TOKENIZER_JSON = "tokenizer.json"
 SPACE = "▁"  # SentencePiece's escaped space (U+2581)
 SANDHI, VIRAMA = "\u09fe", "\u09cd"  # BENGALI SANDHI MARK (see the normalizer), BENGALI SIGN VIRAMA
+NO_SPLIT = "\uffff"  # a Unicode noncharacter: never in text, so splitting on it splits nothing
 
 
-def normalizer() -> normalizers.Normalizer:
-    """training.text.normalize as `tokenizers` steps, in the same order."""
+def normalizer(escape_spaces: bool = False) -> normalizers.Normalizer:
+    """training.text.normalize as `tokenizers` steps, in the same order (then, with `escape_spaces`,
+    SentencePiece's " " -> "▁")."""
     return normalizers.Sequence([
         normalizers.Replace(BOM, ""),
         normalizers.Replace("\r\n", "\n"),
         normalizers.Replace("\r", "\n"),
         normalizers.NFC(),
         *(normalizers.Replace(SANDHI + mark, mark + SANDHI) for mark in (NUKTA, VIRAMA)),
+        *([normalizers.Replace(" ", SPACE)] if escape_spaces else []),
     ])
 
 
@@ -69,8 +76,8 @@ def build(tok: Tokenizer) -> HFTokenizer:
     vocab = {p.text: p.id for p in tok.pieces()}
     hf = HFTokenizer(BPE(vocab=vocab, merges=bpe_merges(tok), unk_token=UNK, fuse_unk=True, byte_fallback=True,
                          dropout=None))
-    hf.normalizer = normalizer()
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never", split=False)
+    hf.normalizer = normalizer(escape_spaces=True)
+    hf.pre_tokenizer = pre_tokenizers.Split(NO_SPLIT, behavior="isolated")
     hf.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     hf.add_special_tokens([AddedToken(s, normalized=False, special=True)
                            for s in (UNK, BOS, EOS, PAD, *CHAT_SPECIALS)])

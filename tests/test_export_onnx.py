@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -23,6 +24,11 @@ from fixtures_onnx import kl_mean, probe_ids  # noqa: E402
 pytest_plugins = ("fixtures_onnx",)
 EXACT = 1e-4  # fp32 ONNX vs PyTorch, max |logit diff|
 INT8_KL, INT4_KL = 2e-3, 2e-2  # mean KL(fp32 || quantized) on the probe; measured 1.4e-5 / 6.1e-4
+
+
+def size(model: Path) -> int:
+    """A model file with its external data."""
+    return model.stat().st_size + model.with_name(model.name + ".data").stat().st_size
 
 
 def session(path) -> ort.InferenceSession:
@@ -47,7 +53,9 @@ def test_files_config_and_checker(onnx_export, torch_model):
     model, ck = torch_model
     cfg = model.cfg
     names = {p.name for p in files}
-    assert names == {"model.onnx", "model-int8.onnx", "model-int4.onnx", "tokenizer.model", "onnx_config.json"}
+    models = {"model.onnx", "model-int8.onnx", "model-int4.onnx"}
+    assert names == models | {m + ".data" for m in models} | {"tokenizer.model", "onnx_config.json"}
+    assert files[-1].name == "onnx_config.json"  # written last: it marks a complete export
     assert all(p.is_file() for p in files)
     meta = json.loads((out / "onnx_config.json").read_text())
     assert (meta["n_layers"], meta["n_kv_heads"], meta["head_dim"], meta["vocab_size"]) == (
@@ -171,13 +179,12 @@ def test_quantized_variants_close_to_fp32(onnx_export, torch_model):
         kl = kl_mean(ref[0], q[0])
         top1 = float((ref[0].argmax(-1) == q[0].argmax(-1)).mean())
         print(f"{variant}: KL(fp32||{variant}) mean {kl:.2e}, top-1 agreement {top1:.3f}, "
-              f"size {path.stat().st_size / 1e6:.2f} MB")
+              f"size {size(path) / 1e6:.2f} MB")
         assert 0 < kl <= limit  # quantized (not a copy) and still close
         assert top1 >= 0.5
     assert "MatMulInteger" in ops["int8"] or "DynamicQuantizeMatMul" in ops["int8"]
     assert "MatMulNBits" in ops["int4"] and "GatherBlockQuantized" in ops["int4"]
-    assert (out / "model-int4.onnx").stat().st_size < (out / "model-int8.onnx").stat().st_size < (
-        out / "model.onnx").stat().st_size
+    assert size(out / "model-int4.onnx") < size(out / "model-int8.onnx") < size(out / "model.onnx")
     meta = json.loads((out / "onnx_config.json").read_text())
     assert meta["checks"]["int8"]["kl_mean"] <= INT8_KL and meta["checks"]["int4"]["kl_mean"] <= INT4_KL
 
@@ -196,12 +203,12 @@ def test_force_overwrites(onnx_export, onnx_run, tmp_path):
     shutil.copytree(src, out)
     (out / "model.onnx").write_bytes(b"stale")
     files = export_onnx(onnx_run, out, force=True)  # fp32 only this time
-    assert sorted(p.name for p in files) == ["model.onnx", "onnx_config.json", "tokenizer.model"]
+    assert sorted(p.name for p in files) == ["model.onnx", "model.onnx.data", "onnx_config.json", "tokenizer.model"]
     onnx.checker.check_model(str(out / "model.onnx"))
     meta = json.loads((out / "onnx_config.json").read_text())
     assert meta["files"] == {"fp32": "model.onnx"} and meta["checks"]["fp32"]["max_abs_diff_vs_torch"] <= EXACT
-    assert not (out / "model.onnx.data").exists()
-    assert not (out / "model-int8.onnx").exists() and not (out / "model-int4.onnx").exists()  # no stale variants
+    assert (out / "model.onnx.data").is_file() and not list(out.glob(".*"))  # no temporary left behind
+    assert not [p for p in out.iterdir() if p.name.startswith(("model-int8", "model-int4"))]  # no stale variants
 
 
 def test_bad_source_is_a_clear_error(tmp_path):
@@ -211,3 +218,54 @@ def test_bad_source_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         export_onnx(tmp_path / "empty", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_failure_midway_leaves_the_old_export_untouched(onnx_export, onnx_run, tmp_path, monkeypatch):
+    """Every file is written into a temporary folder and moved into place at the end: an export that
+    fails after writing fp32 and int8 leaves the earlier export byte-identical, and no temporary."""
+    import export.onnx as exporter
+
+    src, _ = onnx_export
+    out = tmp_path / "onnx"
+    shutil.copytree(src, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def fail(*_args):  # the int4 quantizer breaks on its first tensor
+        raise OnnxExportError("int4 quantizer failed")
+
+    monkeypatch.setattr(exporter, "_quantize_int4", fail)
+    with pytest.raises(OnnxExportError, match="int4 quantizer failed"):
+        export_onnx(onnx_run, out, int8=True, int4=True, force=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["onnx"]
+
+
+def test_quantized_weights_are_streamed_one_tensor_at_a_time(onnx_run, tmp_path, monkeypatch):
+    """The quantizers see one checkpoint tensor at a time, never the model: the largest array any of
+    them is handed is the largest single weight (the embedding), and the fp32 ModelProto is never loaded."""
+    import export.onnx as exporter
+    from export.manifest import load_source
+
+    src = load_source(onnx_run)
+    largest = max(int(np.prod(s)) for s in src.shapes.values())
+    seen: list[int] = []
+    for name in ("_quantize_int8_matmul", "_quantize_int8_gather", "_quantize_int4"):
+        real = getattr(exporter, name)
+
+        def spy(node, w, data, real=real):
+            seen.append(w.size)
+            return real(node, w, data)
+
+        monkeypatch.setattr(exporter, name, spy)
+    real_load = onnx.load
+
+    def load(f, *a, **k):  # only the traced graph (no weights) may be loaded
+        assert Path(f).name == "graph.onnx", f"the exporter loaded a whole ONNX model: {f}"
+        return real_load(f, *a, **k)
+
+    monkeypatch.setattr(onnx, "load", load)
+    files = export_onnx(src, tmp_path / "onnx", int8=True, int4=True)
+    cfg = src.config
+    assert len(seen) == 2 * (7 * cfg.n_layers + 2)  # 7 projections per layer, the embedding and the head, twice
+    assert max(seen) == largest
+    assert files[-1].name == "onnx_config.json"

@@ -1,7 +1,8 @@
-"""ONNX Runtime GenAI opens prodip's ONNX export (export/genai.py) and decodes greedily the same
-tokens as our ONNX Runtime backend (serving.onnxrt), fp32 and int4, on Bangla prompts. The model is
-the suite's `tiny_run` (trained by training/train.py on the shipped corpus), exported by the real
-exporter. Needs the `onnxruntime-genai` package (a dev dependency)."""
+"""ONNX Runtime GenAI opens prodip's ONNX export (export/genai.py): its tokenizer gives our
+SentencePiece ids on every shipped text, and it decodes greedily the same tokens as our ONNX Runtime
+backend (serving.onnxrt), fp32 and int4, on Bangla prompts. The model is the suite's `tiny_run`
+(trained by training/train.py on the shipped corpus), exported by the real exporter. Needs the
+`onnxruntime-genai` package (a dev dependency)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 og = pytest.importorskip("onnxruntime_genai", reason="opt-in: pip install onnxruntime-genai (prodip[dev])")
 
 from export import ExportError  # noqa: E402
-from export.genai import GENAI_CONFIG, GENAI_DIR, write_genai_files  # noqa: E402
+from export.genai import (  # noqa: E402
+    GENAI_CONFIG,
+    GENAI_DIR,
+    genai_generate_speed,
+    genai_greedy,
+    load_genai,
+    write_genai_files,
+)
 
 PROMPTS = ("বাংলাদেশের রাজধানী ঢাকা। আমাদের গ্রামে", "আজ সকালে বৃষ্টি হয়েছে, তাই", "নদীর ধারে একটি ছোট")
 NEW_TOKENS = 24
@@ -29,36 +37,50 @@ def onnx_dir(tiny_run, tmp_path_factory) -> Path:
     return d
 
 
-def _genai_greedy(model, ids: list[int], n: int, eos: tuple[int, ...]) -> list[int]:
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + n, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(ids)
-    out: list[int] = []
-    while not gen.is_done() and len(out) < n:
-        gen.generate_next_token()
-        t = int(gen.get_next_tokens()[0])
-        if t in eos:
-            break
-        out.append(t)
-    return out
-
-
 @pytest.mark.parametrize("variant", ["fp32", "int4"])
 def test_genai_greedy_tokens_equal_our_ort_backend(onnx_dir, variant):
     from serving.backend import SamplingParams
     from serving.onnxrt import OnnxBackend
 
     ours = OnnxBackend(onnx_dir, variant=variant, threads=1)
-    model = og.Model(str(onnx_dir / GENAI_DIR / variant))
+    model = load_genai(onnx_dir / GENAI_DIR / variant, threads=1)
     total = 0
     for prompt in PROMPTS:
         ids = ours.tokenize(prompt)
         ref = list(ours.generate(ids, SamplingParams.greedy(NEW_TOKENS)))
-        got = _genai_greedy(model, ids, NEW_TOKENS, tuple(ours.eos_ids))
+        got = genai_greedy(model, ids, NEW_TOKENS, tuple(ours.eos_ids))
         assert got == ref, (prompt, got, ref)
         total += len(ref)
     assert total >= len(PROMPTS) * 4  # the comparison covered real continuations
+
+
+def test_genai_tokenizer_equals_ours_on_shipped_text(onnx_dir):
+    """GenAI's own tokenizer (onnxruntime-extensions reading our tokenizer.json) against our
+    SentencePiece on every shipped text (whole files, lines, JSONL strings; Bangla, English, the
+    orthography file's nukta/ZWJ cases) and the hard cases. GenAI does not run our normalizer, so it
+    is handed normalize(text), as docs/onnx.md tells apps to."""
+    from test_hf_tokenizer import HARD_CASES, shipped_raw
+
+    from training.text import normalize
+    from training.tokenizer import Tokenizer
+
+    sp = Tokenizer.load(onnx_dir / "tokenizer.model")
+    tok = og.Tokenizer(load_genai(onnx_dir / GENAI_DIR / "fp32", threads=1))
+    texts = shipped_raw() + HARD_CASES
+    bad = [t for t in texts if [int(i) for i in tok.encode(normalize(t))] != sp.encode(t, allow_special=True)]
+    assert not bad, f"{len(bad)} of {len(texts)} texts differ, e.g. {[ascii(t[:40]) for t in bad[:3]]}"
+    bangla = [t for t in texts if any("\u0980" <= c <= "\u09ff" for c in t)]
+    assert len(bangla) > 1000 and any(len(sp.encode(t)) > 200 for t in bangla)  # real breadth, long texts too
+    word = "আমাদের গ্রামের"  # whole words merge (Llama's regex pre-split them at each vowel sign)
+    assert [int(i) for i in tok.encode(word)] == sp.encode(word) and len(sp.encode(word)) <= 4
+
+
+def test_genai_generate_speed_reports_a_decode_rate(onnx_dir):
+    from serving.onnxrt import OnnxBackend
+
+    ids = OnnxBackend(onnx_dir, threads=1).tokenize(PROMPTS[0])
+    s = genai_generate_speed(onnx_dir / GENAI_DIR / "fp32", ids, new_tokens=8, threads=1, repeats=1)
+    assert s.new_tokens == 8 and s.tokens_per_s > 0 and 0 < s.ttft_s < 60 and s.load_s > 0
 
 
 def test_genai_config_describes_our_graph(onnx_dir):

@@ -132,20 +132,22 @@ def test_rejects_mismatched_config(onnx_export, tmp_path):
     out, _ = onnx_export
     for key, value, msg in (("vocab_size", 4096, "tokenizer has"), ("n_layers", 3, "graph inputs do not match"),
                             ("head_dim", 32, "expected"), ("tokenizer_sha256", "0" * 64, "not the tokenizer")):
-        d = _copy(out, tmp_path / key, "model.onnx", "tokenizer.model", "onnx_config.json")
+        d = _copy(out, tmp_path / key, "model.onnx", "model.onnx.data", "tokenizer.model",
+                  "onnx_config.json")
         meta = json.loads((d / "onnx_config.json").read_text())
         meta[key] = value
         (d / "onnx_config.json").write_text(json.dumps(meta))
         with pytest.raises(ServingError, match=msg):
             OnnxBackend(d)
-    d = _copy(out, tmp_path / "noconfig", "model.onnx", "tokenizer.model")
+    d = _copy(out, tmp_path / "noconfig", "model.onnx", "model.onnx.data", "tokenizer.model")
     with pytest.raises(ServingError, match="onnx_config.json not found"):
         OnnxBackend(d)
 
 
 def test_rejects_variant_file_of_another_export(onnx_export, tmp_path):
     out, _ = onnx_export
-    d = _copy(out, tmp_path / "fp32only", "model.onnx", "model-int8.onnx", "tokenizer.model", "onnx_config.json")
+    d = _copy(out, tmp_path / "fp32only", "model.onnx", "model.onnx.data", "model-int8.onnx", "model-int8.onnx.data",
+              "tokenizer.model", "onnx_config.json")
     meta = json.loads((d / "onnx_config.json").read_text())
     meta["files"] = {"fp32": "model.onnx"}
     (d / "onnx_config.json").write_text(json.dumps(meta))
@@ -169,3 +171,56 @@ def test_rejects_onnx_of_another_model(onnx_export, tmp_path):
     (d / "model.onnx").write_bytes(b"not onnx")
     with pytest.raises(ServingError, match="cannot load"):
         OnnxBackend(d)
+
+
+def _cli(*argv: str):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(p, *words: str) -> None:
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def _digest(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["other-tool", "truncated-graph", "truncated-data"])
+def test_cli_refuses_foreign_and_truncated_onnx(onnx_export, tmp_path, case):
+    """`python -m serving X.onnx`: an ONNX file another tool wrote (no onnx_config.json beside it), a
+    truncated graph, truncated external data: one `error:` line naming the file, exit != 0, nothing changed."""
+    out, _ = onnx_export
+    d = _copy(out, tmp_path / case, "model.onnx", "model.onnx.data", "tokenizer.model", "onnx_config.json")
+    if case == "other-tool":
+        (d / "onnx_config.json").unlink()
+        x = helper.make_tensor_value_info("pixels", TensorProto.FLOAT, [1, 784])
+        graph = helper.make_graph([helper.make_node("Relu", ["pixels"], ["scores"])], "mnist-ish", [x],
+                                  [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 784])])
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), d / "model.onnx")
+        words = ("onnx_config.json not found",)
+    else:
+        f = d / ("model.onnx" if case == "truncated-graph" else "model.onnx.data")
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        words = ("model.onnx", "cannot load")
+    before = _digest(d)
+    p = _cli("-m", "serving", str(d / "model.onnx"), "--prompt", "নমস্কার", "--max-tokens", "2")
+    _one_error_line(p, *words)
+    assert _digest(d) == before
+
+
+def test_export_refuses_to_replace_another_tools_onnx(onnx_run, tmp_path):
+    """`python -m export onnx RUN --out DIR` where DIR/onnx/model.onnx is someone else's: refused before
+    anything is read or written (without --force), the file untouched, no temporary folder left."""
+    d = tmp_path / "exp" / "onnx"
+    d.mkdir(parents=True)
+    (d / "model.onnx").write_bytes(b"another tool's model")
+    p = _cli("-m", "export", "onnx", str(onnx_run), "--out", str(tmp_path / "exp"), "--no-parity")
+    _one_error_line(p, "model.onnx", "--force")
+    assert (d / "model.onnx").read_bytes() == b"another tool's model" and sorted(x.name for x in d.parent.iterdir()) == ["onnx"]

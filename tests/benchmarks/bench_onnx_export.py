@@ -1,18 +1,27 @@
-"""Benchmark: ONNX export time, file sizes and ONNX Runtime speed per variant, for a preset (default `small`).
+"""Benchmark: the streamed ONNX export (export/onnx.py) of a preset, fp32 alone and with int8 / int4:
+wall and CPU time, peak RSS against the fp32 checkpoint size, file sizes, the export's own checks.
 
-    .venv/bin/python tests/benchmarks/bench_onnx_export.py [--preset small] [--threads 1] [--keep DIR]
+    .venv/bin/python tests/benchmarks/bench_onnx_export.py [--preset 400m] [--work DIR] [--no-check]
+    .venv/bin/python tests/benchmarks/bench_onnx_export.py --preset small --speed [--threads 1]
 
-Builds an untrained checkpoint of the preset (export time does not depend on the weights) with a
-tokenizer trained on ../shared/data/bn/train (the bundled corpus when absent; the model's vocabulary
-is the tokenizer's), runs `export.onnx.export_onnx` with int8 and int4, and prints a Markdown table:
-stage times, file sizes, prompt (128 tokens) and decode (one token through the KV cache) speed in
-ONNX Runtime, and KL(fp32 || variant) on the export's probe text.
+Builds a random-init checkpoint of the preset (export time and memory do not depend on the weights)
+with a tokenizer trained on ../shared/data/bn/train (the bundled corpus when absent; the model's
+vocabulary is the tokenizer's), then runs each export as its own `python -m export.onnx_stream`
+process, so its peak RSS (ru_maxrss from os.wait4) is that export's alone. Target (issue 18):
+<= 60 s and <= 2x the fp32 size in peak RSS. Prints a Markdown table.
+
+--speed instead exports fp32/int8/int4 with the ONNX Runtime GenAI files and compares, on the same
+model files, greedy decoding by ONNX Runtime GenAI (export.genai.genai_generate_speed) and by our
+ONNX Runtime backend (serving.onnxrt): time to first token and decode tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,87 +30,141 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
-from export.onnx import export_onnx  # noqa: E402
-from serving.backend import SamplingParams  # noqa: E402
-from serving.onnxrt import OnnxBackend  # noqa: E402
-from training import checkpoint  # noqa: E402
-from training.model import Transformer, count_params, preset  # noqa: E402
-from training.text import normalize  # noqa: E402
-from training.tokenizer import train_tokenizer  # noqa: E402
-
 SHARED_BN = REPO.parent / "shared" / "data" / "bn" / "train"
 BUNDLED = REPO / "training" / "assets" / "corpus"
 TOKENIZER_LINES = 20000
-PROMPT_TOKENS, DECODE_TOKENS = 128, 32
+TARGET_S, TARGET_RSS_RATIO = 60.0, 2.0
+GiB = 1 << 30
+PROMPT_TOKENS, NEW_TOKENS = 64, 32
+CASES = (("fp32", []), ("fp32 + int8", ["--int8"]), ("fp32 + int4", ["--int4"]))
 
 
-def lines() -> list[str]:
+def make_checkpoint(preset_name: str, work: Path) -> Path:
+    import torch
+
+    from training import checkpoint
+    from training.model import Transformer, preset
+    from training.text import normalize
+    from training.tokenizer import train_tokenizer
+
+    if (work / "run").is_dir() and (done := checkpoint.latest(work / "run")) is not None:
+        return done  # a kept --work folder: reuse its checkpoint
     files = sorted(SHARED_BN.rglob("*.*")) if SHARED_BN.is_dir() else sorted(BUNDLED.glob("bn_*.txt"))
-    out: list[str] = []
-    for f in files:
-        out += [normalize(x) for x in f.read_text(encoding="utf-8").splitlines() if x.strip()]
-    return out[:TOKENIZER_LINES]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--keep", type=Path, help="export here (kept) instead of a temporary folder")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    lines = [normalize(x) for f in files for x in f.read_text(encoding="utf-8").splitlines() if x.strip()]
+    tok = train_tokenizer(lines[:TOKENIZER_LINES], preset(preset_name).vocab_size, num_threads=os.cpu_count() or 1)
+    cfg = preset(preset_name, vocab_size=tok.vocab_size)
     torch.manual_seed(0)
+    model = Transformer(cfg)
+    return checkpoint.save(work / "run", 0, weights=checkpoint.weights_for_save(model.state_dict(), cfg), cfg=cfg,
+                           tokenizer=tok)
 
-    base = preset(args.preset)
+
+def run(cmd: list[str]) -> tuple[float, float, int, int, str]:
+    """(wall s, CPU s, peak RSS bytes, exit status, last stderr line) of one child process."""
     t0 = time.perf_counter()
-    tok = train_tokenizer(lines(), base.vocab_size, num_threads=args.threads)
-    tok_s = time.perf_counter() - t0
-    cfg = preset(args.preset, vocab_size=tok.vocab_size)
-    model = Transformer(cfg).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
-        checkpoint.save(run, 0, weights=checkpoint.weights_for_save(model.state_dict(), cfg), cfg=cfg, tokenizer=tok)
-        out = args.keep or Path(tmp) / "onnx"
-        t0, c0 = time.perf_counter(), time.process_time()
-        export_onnx(run, out, int8=True, int4=True, force=True)
-        total_s, total_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-        meta = json.loads((out / "onnx_config.json").read_text())
-        prompt = (tok.encode(" ".join(lines()[:50]), bos=True) * 4)[:PROMPT_TOKENS]
-        rows = []
-        for variant in ("fp32", "int8", "int4"):
-            b = OnnxBackend(out, threads=args.threads, variant=variant)
-            b.eos_ids = ()  # fixed-length decode
-            b.logits(prompt)  # warm-up
-            t0 = time.perf_counter()
-            b.logits(prompt)
-            prompt_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            n = len(list(b.generate(prompt[:8], SamplingParams.greedy(DECODE_TOKENS))))
-            decode_s = time.perf_counter() - t0
-            f = out / meta["files"][variant]
-            size = f.stat().st_size + sum(p.stat().st_size for p in out.glob(f.name + ".data"))
-            kl = meta["checks"].get(variant, {}).get("kl_mean")
-            rows.append((variant, size / 1e6, PROMPT_TOKENS / prompt_s, n / decode_s, kl))
-            b.close()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read().decode(errors="replace").strip().splitlines() if proc.stderr else []
+    return (time.perf_counter() - t0, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024,
+            os.waitstatus_to_exitcode(status), err[-1] if err else "")
 
-    t = meta["timings_s"]
-    print(f"## ONNX export: preset `{args.preset}` ({count_params(cfg) / 1e6:.1f} M params, vocab {cfg.vocab_size}), "
-          f"torch {torch.__version__}, onnxruntime {meta['versions']['onnxruntime']}, {args.threads} thread(s)\n")
-    print("| stage | seconds |\n| --- | ---: |")
-    print(f"| tokenizer training (not export) | {tok_s:.1f} |")
-    print(f"| torch.onnx.export (dynamo) | {t['fp32_export_s']:.1f} |")
-    print(f"| int8 quantize_dynamic | {t['int8_quantize_s']:.1f} |")
-    print(f"| int4 MatMulNBits | {t['int4_quantize_s']:.1f} |")
-    print(f"| export_onnx total (load, export, checker, checks, both variants) | {total_s:.1f} |")
-    print(f"| ... of which CPU time of this process (wall exceeds it on a busy machine) | {total_cpu_s:.1f} |\n")
-    print("| variant | file MB | prompt tok/s (128) | decode tok/s | KL(fp32‖variant) probe |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for v, mb, ps, ds, kl in rows:
-        print(f"| {v} | {mb:.1f} | {ps:.0f} | {ds:.1f} | {'—' if kl is None else f'{kl:.2e}'} |")
-    print(f"\nfp32 max |ONNX − PyTorch| at export: {meta['checks']['fp32']['max_abs_diff_vs_torch']:.2e}")
+
+def ours_speed(onnx_dir: Path, variant: str, ids: list[int], new_tokens: int, threads: int) -> tuple[float, float]:
+    """(time to first token s, decode tokens/s) of serving.onnxrt on one variant, measured as
+    genai_generate_speed measures GenAI: end-of-turn ignored, best of 2 after a warm-up."""
+    from serving.backend import SamplingParams
+    from serving.onnxrt import OnnxBackend
+
+    b = OnnxBackend(onnx_dir, threads=threads, variant=variant)
+    b.eos_ids = ()  # fixed-length decode
+    first, rate = float("inf"), 0.0
+    for _ in range(3):
+        it = b.generate(ids, SamplingParams.greedy(new_tokens))
+        t0 = time.perf_counter()
+        next(it)
+        t1 = time.perf_counter()
+        n = sum(1 for _ in it)
+        first, rate = min(first, t1 - t0), max(rate, n / max(time.perf_counter() - t1, 1e-9))
+    b.close()
+    return first, rate
+
+
+def speed(ck: Path, work: Path, threads: int) -> None:
+    from export.genai import GENAI_DIR, genai_generate_speed
+    from export.onnx import export_onnx
+    from training.checkpoint import load
+
+    out = work / "onnx-speed"
+    export_onnx(ck, out, int8=True, int4=True, force=True, genai=True)
+    tok = load(ck).tokenizer
+    text = " ".join(x for f in sorted(BUNDLED.glob("bn_*.txt")) for x in f.read_text(encoding="utf-8").splitlines())
+    ids = tok.encode(text, bos=True)[:PROMPT_TOKENS]
+    print("| variant | GenAI first token (ms) | ours first token (ms) | GenAI decode tok/s | ours decode tok/s |\n"
+          "|---|---:|---:|---:|---:|")
+    for v in ("fp32", "int8", "int4"):
+        g = genai_generate_speed(out / GENAI_DIR / v, ids, NEW_TOKENS, threads=threads)
+        first, rate = ours_speed(out, v, ids, NEW_TOKENS, threads)
+        print(f"| {v} | {g.ttft_s * 1e3:.0f} | {first * 1e3:.0f} | {g.tokens_per_s:.1f} | {rate:.1f} |", flush=True)
+    print(f"\n{PROMPT_TOKENS}-token Bangla prompt, {NEW_TOKENS} new tokens, {threads} thread(s), "
+          f"load average {os.getloadavg()[0]:.1f}")
+
+
+def main() -> int:
+    from training.model import count_params
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="400m")
+    ap.add_argument("--work", type=Path, help="keep the checkpoint here (reused by the next run)")
+    ap.add_argument("--no-check", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
+    ap.add_argument("--only", action="append", default=[], help="run only cases whose label contains this")
+    ap.add_argument("--speed", action="store_true", help="GenAI vs our ONNX Runtime backend decode speed instead")
+    ap.add_argument("--threads", type=int, default=1, help="with --speed: intra-op threads of both")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_onnx-"))
+    try:
+        t0 = time.perf_counter()
+        ck = make_checkpoint(args.preset, work)
+        from training.checkpoint import load
+
+        cfg = load(ck).config
+        if args.speed:
+            speed(ck, work, args.threads)
+            return 0
+        print(f"checkpoint ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        fp32 = (ck / "model.safetensors").stat().st_size
+        rows = ["| export | wall (s) | CPU (s) | peak RSS (GiB) | RSS / fp32 | files (GiB) | stages (s) | probe KL / top-1 | target |",
+                "|---|---:|---:|---:|---:|---:|---|---|---|"]
+        ok = True
+        for label, flags in CASES:
+            if args.only and not any(o in label for o in args.only):
+                continue
+            out = work / "onnx"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, "-m", "export.onnx_stream", str(ck), "--out", str(out), *flags]
+            wall, cpu, rss, rc, err = run(cmd + (["--no-check"] if args.no_check else []))
+            if rc != 0:
+                rows.append(f"| {label} (exit {rc}: {err}) | {wall:.1f} | {cpu:.1f} | {rss / GiB:.2f} | | | | | |")
+                ok = False
+                continue
+            meta = json.loads((out / "onnx_config.json").read_text())
+            size = sum(p.stat().st_size for p in out.iterdir() if p.suffix in (".onnx", ".data"))
+            stages = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in meta["timings_s"].items())
+            q = [meta["checks"][v] for v in ("int8", "int4") if v in meta["checks"]]
+            quality = "; ".join(f"{c['kl_mean']:.1e} / {c['top1_agreement']:.2f}" for c in q) or "—"
+            met = wall <= TARGET_S and rss <= TARGET_RSS_RATIO * fp32
+            ok &= met
+            rows.append(f"| {label} | {wall:.1f} | {cpu:.1f} | {rss / GiB:.2f} | {rss / fp32:.2f} | {size / GiB:.2f} | "
+                        f"{stages} | {quality} | {'met' if met else 'MISSED'} |")
+            print(rows[-1], file=sys.stderr, flush=True)
+        print(f"\nStreamed ONNX export of `{args.preset}` ({count_params(cfg) / 1e6:.0f} M params, vocab {cfg.vocab_size}, "
+              f"random init; fp32 checkpoint {fp32 / GiB:.2f} GiB), {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f} at the end; target <= {TARGET_S:.0f} s and <= {TARGET_RSS_RATIO:g}x fp32 in RSS:\n")
+        print("\n".join(rows))
+        return 0 if ok else 1
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
