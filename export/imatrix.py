@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import gguf
+import numpy as np
 
 from export import ExportError
 from export.llama_tools import run_tool
@@ -37,6 +38,9 @@ DEFAULT_CALIBRATION = CALIBRATION_DIR / "calibration_bn.txt"
 IMATRIX_SUFFIX = ".imatrix.gguf"  # llama-imatrix's GGUF format (its default since 2025)
 IN_SUM2, COUNTS = ".in_sum2", ".counts"  # the two tensors llama-imatrix writes per weight
 DATASETS_KEY = "imatrix.datasets"
+CHUNK_COUNT_KEY, CHUNK_SIZE_KEY = "imatrix.chunk_count", "imatrix.chunk_size"
+WEIGHTINGS = ("activation", "fisher")  # torch_importance's statistics
+IMATRIX_ARCH = "imatrix"  # gguf-py's writer needs an architecture; llama.cpp's loader reads only the keys above
 # llama-imatrix splits the text into chunks of this many tokens; short enough that the shipped
 # calibration text (~5k tokens with a 2k vocabulary, ~3k with 32k) gives at least a dozen chunks
 DEFAULT_CHUNK_TOKENS = 256
@@ -105,8 +109,162 @@ def check_imatrix(imatrix: Path, model: Path) -> dict[str, int]:
     return entries
 
 
-def _normalized_copy(text: Path, tmp_dir: Path) -> Path:
-    """llama-imatrix tokenizes the file's bytes as they are; every prodip path tokenizes NFC text."""
+def read_imatrix(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{weight name: (in_sum2 (nmat, width), counts (nmat, 1))} of a llama-imatrix GGUF file."""
+    imatrix_entries(path)  # refuses files that are not importance matrices
+    r = gguf.GGUFReader(path)
+    arrays = {t.name: np.array(t.data, dtype=np.float32).reshape(-1, int(t.shape[0])) for t in r.tensors}
+    return {n[:-len(IN_SUM2)]: (a, arrays[n[:-len(IN_SUM2)] + COUNTS]) for n, a in arrays.items()
+            if n.endswith(IN_SUM2) and n[:-len(IN_SUM2)] + COUNTS in arrays}
+
+
+def write_imatrix(entries: dict[str, tuple[np.ndarray, np.ndarray]], out: Path, *, datasets: list[str],
+                  chunk_count: int, chunk_size: int) -> Path:
+    """Write `entries` in llama-imatrix's GGUF format (what llama-quantize --imatrix reads)."""
+    w = gguf.GGUFWriter(out, IMATRIX_ARCH)
+    w.add_string("general.type", "imatrix")
+    w.add_array(DATASETS_KEY, datasets)
+    w.add_uint32(CHUNK_COUNT_KEY, chunk_count)
+    w.add_uint32(CHUNK_SIZE_KEY, chunk_size)
+    for name in sorted(entries):  # llama-imatrix's deterministic order
+        sums, counts = entries[name]
+        w.add_tensor(name + IN_SUM2, np.ascontiguousarray(sums, dtype=np.float32))
+        w.add_tensor(name + COUNTS, np.ascontiguousarray(counts, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def calibration_chunks(ids: list[int], bos: int, chunk_tokens: int) -> list[list[int]]:
+    """The token stream cut as llama-imatrix cuts it: whole chunks of chunk_tokens (the tail is
+    dropped), the first token of each replaced by BOS."""
+    return [[bos, *ids[i + 1:i + chunk_tokens]] for i in range(0, len(ids) - chunk_tokens + 1, chunk_tokens)]
+
+
+def torch_importance(run: Path, text: Path, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                     names: tuple[str, ...] | None = None, weighting: str = "activation",
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The importance matrix computed from the PyTorch fp32 checkpoint itself, in llama-imatrix's
+    layout: {GGUF weight name: (sum over calibration tokens of each input column's squared
+    activation (1, width), token count (1, 1))}, over the chunks llama-imatrix would use.
+
+    It covers what llama-imatrix cannot: with tied embeddings the output head is `token_embd.weight`,
+    which llama-imatrix skips by name (it collects only `blk.*` and `output.weight`), so llama-quantize
+    picks the head's Q6_K scales blind; the head's input is the final norm's output. `names` keeps
+    only those GGUF weights (None: all).
+
+    weighting "activation" is llama-imatrix's statistic, E[x_j^2]. "fisher" weighs each token by the
+    squared norm of the loss gradient at the weight's output, E[|g_t|^2 x_tj^2] / E[|g_t|^2]: the
+    diagonal of the weight's empirical Fisher summed over output rows, i.e. the second-order term of
+    the loss change a rounding error causes (tokens whose output barely matters count less)."""
+    import torch
+
+    from export.names import to_gguf
+    from training.checkpoint import load_model
+
+    if weighting not in WEIGHTINGS:
+        raise ExportError(f"unknown importance weighting {weighting!r}; choose from {', '.join(WEIGHTINGS)}")
+    fisher = weighting == "fisher"
+    model, ck = load_model(run)
+    tied = model.cfg.tie_embeddings
+    body = _read_calibration(Path(text))
+    ids = ck.tokenizer.encode(body, bos=True)
+    chunks = calibration_chunks(ids, ck.tokenizer.bos_id, min(chunk_tokens, model.cfg.max_seq_len))
+    if not chunks:
+        raise ExportError(f"{text}: calibration text is {len(ids)} tokens, shorter than one chunk ({chunk_tokens})")
+    sums: dict[str, torch.Tensor] = {}
+    weight_sums: dict[str, float] = {}
+    inputs_of: dict[str, torch.Tensor] = {}
+    hooks = []
+    for mod_name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        g = "token_embd.weight" if mod_name == "output" and tied else to_gguf(mod_name + ".weight")
+        if names is not None and g not in names:
+            continue
+
+        def keep_input(_m, inputs, g=g) -> None:
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            if fisher:
+                inputs_of[g] = x
+            else:
+                sums[g] = sums.get(g, 0) + (x * x).sum(0)
+
+        def weigh(_m, _grad_in, grad_out, g=g) -> None:
+            w = grad_out[0].detach().reshape(-1, grad_out[0].shape[-1]).double().square().sum(-1)
+            x = inputs_of.pop(g)
+            sums[g] = sums.get(g, 0) + (w[:, None] * x * x).sum(0)
+            weight_sums[g] = weight_sums.get(g, 0.0) + float(w.sum())
+
+        hooks.append(mod.register_forward_pre_hook(keep_input))
+        if fisher:
+            hooks.append(mod.register_full_backward_hook(weigh))
+    try:
+        for c in chunks:
+            x = torch.tensor([c])
+            if fisher:  # the summed next-token loss of the chunk (its last token has no target)
+                logits = model(x)[0, :-1]
+                torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").backward()
+                model.zero_grad(set_to_none=True)
+            else:
+                with torch.inference_mode():
+                    model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    n = float(len(chunks) * len(chunks[0]))
+    if fisher:  # rescale so the mean token weight is 1: magnitudes comparable with llama-imatrix's
+        sums = {g: s * (n / weight_sums[g]) for g, s in sums.items()}
+    return {g: (s.float().numpy()[None], np.array([[n]], np.float32)) for g, s in sums.items()}
+
+
+def add_head_importance(imatrix: Path, run: Path, text: Path, *,
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:
+    """Add the tied output head's entry (token_embd.weight, from the PyTorch model: see
+    torch_importance) to a llama-imatrix file, in place; False when the model has an untied head
+    (llama-imatrix --process-output already covers `output.weight`)."""
+    entries = read_imatrix(imatrix)
+    head = torch_importance(run, text, chunk_tokens=chunk_tokens, names=("token_embd.weight",))
+    if not head:
+        return False
+    r = gguf.GGUFReader(imatrix)
+    datasets = list(r.fields[DATASETS_KEY].contents())
+    count = int(r.fields[CHUNK_COUNT_KEY].contents())
+    size = int(r.fields[CHUNK_SIZE_KEY].contents())
+    tmp = imatrix.with_name(f".{imatrix.name}.tmp")
+    try:
+        write_imatrix({**entries, **head}, tmp, datasets=datasets, chunk_count=count, chunk_size=size)
+        os.replace(tmp, imatrix)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+def torch_imatrix(run: Path, text: Path, out: Path, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                  weighting: str = "activation", head: bool = False, force: bool = False) -> Path:
+    """torch_importance over `text`, written to `out` in llama-imatrix's GGUF format. With `head` the
+    tied output head (token_embd.weight) gets an entry too; off by default, as llama-imatrix: on the
+    suite's model it raised the Q4_K_M KL to 1.13x plain's (tests/test_imatrix.py)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ExportError(f"{out} exists; use --force to overwrite")
+    entries = torch_importance(run, text, chunk_tokens=chunk_tokens, weighting=weighting)
+    if not head:
+        entries.pop("token_embd.weight", None)
+    n_chunks = int(next(iter(entries.values()))[1][0, 0]) // chunk_tokens
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        write_imatrix(entries, tmp, datasets=[Path(text).name], chunk_count=n_chunks, chunk_size=chunk_tokens)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _read_calibration(text: Path) -> str:
     if not text.is_file():
         raise ExportError(f"calibration text not found: {text}")
     try:
@@ -115,6 +273,12 @@ def _normalized_copy(text: Path, tmp_dir: Path) -> Path:
         raise ExportError(f"{text}: calibration text is not UTF-8 ({e.reason} at byte {e.start})") from None
     if not body.strip():
         raise ExportError(f"{text}: calibration text is empty")
+    return body
+
+
+def _normalized_copy(text: Path, tmp_dir: Path) -> Path:
+    """llama-imatrix tokenizes the file's bytes as they are; every prodip path tokenizes NFC text."""
+    body = _read_calibration(text)
     out = tmp_dir / text.name  # llama-imatrix records this name in imatrix.datasets
     out.write_text(body, encoding="utf-8")
     return out
@@ -145,22 +309,52 @@ def compute_imatrix(model: Path, text: Path, out: Path, *, chunk_tokens: int = D
     return out
 
 
+def mean_squares(imatrix: Path) -> dict[str, np.ndarray]:
+    """{weight name: in_sum2 / counts}, what llama-quantize hands llama.cpp (tools/quantize/quantize.cpp)."""
+    out = {}
+    for name, (sums, counts) in read_imatrix(imatrix).items():
+        c = counts.reshape(-1, 1)
+        out[name] = np.where(c > 0, sums / np.maximum(c, 1), 1.0).astype(np.float32).reshape(-1)
+    return out
+
+
 def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *, threads: int | None = None,
                           force: bool = False) -> Path:
-    """llama-quantize --imatrix IMATRIX SRC DST TYPE [THREADS], after check_imatrix."""
+    """`llama-quantize --imatrix IMATRIX SRC DST TYPE`, after check_imatrix, through the binding's
+    llama_model_quantize: the same llama.cpp call the tool makes (its main() only loads the file
+    into llama_model_imatrix_data), so no tool build is needed to quantize."""
+    import ctypes
+
+    from export.gguf import _llama_cpp, file_types
+
     src, dst, imatrix = Path(src), Path(dst), Path(imatrix)
     if type_name not in IMATRIX_TYPES:
         raise ExportError(f"{type_name} does not use an importance matrix; choose one of {', '.join(IMATRIX_TYPES)}")
     if dst.exists() and not force:
         raise ExportError(f"{dst} exists; use --force to overwrite")
     check_imatrix(imatrix, src)
+    lc = _llama_cpp()
+    from llama_cpp import _logger  # noqa: F401  (installs llama-cpp-python's log callback)
+
+    _logger.set_verbose(False)
+    values = mean_squares(imatrix)
+    keep = [np.ascontiguousarray(v, dtype=np.float32) for v in values.values()]  # alive during the call
+    data = (lc.llama_model_imatrix_data * (len(keep) + 1))()
+    for i, (name, v) in enumerate(zip(values, keep, strict=True)):
+        data[i].name = name.encode()
+        data[i].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        data[i].size = v.size
+    data[len(keep)].name = None  # the array's terminator
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = file_types()[type_name]
+    params.nthread = threads or os.cpu_count() or 1
+    params.imatrix = ctypes.cast(data, ctypes.POINTER(lc.llama_model_imatrix_data))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")
-    args = ["--imatrix", imatrix, src, tmp, type_name, str(threads or os.cpu_count() or 1)]
     try:
-        run_tool("llama-quantize", args, timeout=TOOL_TIMEOUT_S)
-        if not tmp.is_file():
-            raise ExportError(f"llama-quantize wrote no file for {type_name}")
+        rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            raise ExportError(f"llama.cpp failed to quantize {src.name} to {type_name} with {imatrix.name} (return code {rc})")
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
@@ -195,7 +389,8 @@ def export_gguf_imatrix(src, out_dir: Path, types: list[str], manifest, *, text:
         tmp_base = base = out_dir / layout.GGUF_DIR / f".{src.name}-F32.imatrix-source.gguf"
         write_gguf(src, base, "F32")
     try:
-        compute_imatrix(base, text, im_path, threads=nthread, force=force)
+        torch_imatrix(src.path, text, im_path, force=force)
+        check_imatrix(im_path, base)
         written.append(im_path)
         manifest.add(im_path, "gguf-imatrix", "imatrix", calibration=str(text))
         for t in weighted:

@@ -26,7 +26,9 @@ from export.imatrix import (
     check_imatrix,
     compute_imatrix,
     imatrix_entries,
+    mean_squares,
     quantize_with_imatrix,
+    torch_imatrix,
 )
 from export.llama_tools import missing_tools
 from training.logprobs import kl_rows
@@ -36,12 +38,19 @@ TOOLS = ("llama-imatrix", "llama-quantize")
 needs_tools = pytest.mark.skipif(bool(missing_tools(TOOLS)), reason=(
     f"opt-in: llama.cpp tools {', '.join(missing_tools(TOOLS))} not built; run `bash scripts/build_llama_tools.sh` "
     "or set PRODIP_LLAMA_TOOLS"))
-# Measured on tiny_run (300 steps on the shipped corpus): 0.78 on the 184 KB corpus, 0.93 after it grew
-# to 267 KB (the 2-layer model sees each token fewer times, so its weights are less structured). The
-# issue's target is <= 0.7 on a real model; here the gate is that the imatrix file is better by a margin
-# larger than run-to-run noise (the KLs are deterministic: same weights, same windows), and the ratio
-# is printed.
-MAX_RATIO = float(os.environ.get("PRODIP_IMATRIX_MAX_RATIO", "0.97"))
+# What an importance matrix does is fixed: llama.cpp picks each block's scales to minimise the
+# rounding error weighted by the imatrix, sum_j v_j (W_ij - Q(W)_ij)^2. That is tested directly on the
+# quantized weights (a name mismatch or a matrix llama.cpp ignored leaves it unchanged); measured on
+# tiny_run: 0.849 with either imatrix.
+MAX_WEIGHTED_ERROR_RATIO = 0.95
+# Its effect on the model's output is measured, not assumed. Held-out KL ratio imatrix/plain Q4_K_M
+# on tiny_run: 0.78 (184 KB corpus), 0.93 (267 KB), 0.997 in CI and 1.099 here on the current corpus
+# (PyTorch importance: 1.109): on this 2-layer model the effect is within +-10% either way, so the
+# gate only catches an imatrix that damages the model; the issue's <= 0.7 target is for real
+# models (tests/benchmarks/bench_imatrix.py).
+MAX_KL_RATIO = float(os.environ.get("PRODIP_IMATRIX_MAX_RATIO", "1.25"))
+# PyTorch's importance vs llama-imatrix's on the same chunks of the same text: both fp32.
+MAX_IMPORTANCE_REL_DIFF = 1e-3
 
 
 def heldout_windows(tok_ids: list[int], bos: int, n_ctx: int) -> list[list[int]]:
@@ -64,7 +73,8 @@ def heldout_kl(ref, cand, windows: list[list[int]]) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def quants(tiny_run, tmp_path_factory) -> dict[str, Path]:
     """F32 base, plain Q4_K_M (llama.cpp's quantizer through the binding, as `export gguf` makes it),
-    the imatrix from the shipped calibration text, and imatrix Q4_K_M / Q5_K_M / Q6_K / IQ4_XS."""
+    the imatrix from llama-imatrix and the one `export gguf --imatrix` computes from PyTorch, both on
+    the shipped calibration text, and Q4_K_M / Q5_K_M / Q6_K / IQ4_XS quantized with them."""
     if missing_tools(TOOLS):
         pytest.skip(needs_tools.kwargs["reason"])
     from export.gguf import quantize_gguf, write_gguf
@@ -75,8 +85,11 @@ def quants(tiny_run, tmp_path_factory) -> dict[str, Path]:
     files = {"F32": write_gguf(src, d / "m-F32.gguf", "F32")}
     files["Q4_K_M"] = quantize_gguf(files["F32"], d / "m-Q4_K_M.gguf", "Q4_K_M")
     files["imatrix"] = compute_imatrix(files["F32"], DEFAULT_CALIBRATION, d / "m.imatrix.gguf")
+    files["torch-imatrix"] = torch_imatrix(tiny_run, DEFAULT_CALIBRATION, d / "m.torch.imatrix.gguf")
     for t in ("Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"):
         files[f"im-{t}"] = quantize_with_imatrix(files["F32"], d / f"m-im-{t}.gguf", t, files["imatrix"])
+    files["torch-im-Q4_K_M"] = quantize_with_imatrix(files["F32"], d / "m-torch-im-Q4_K_M.gguf", "Q4_K_M",
+                                                     files["torch-imatrix"])
     return files
 
 
@@ -112,14 +125,60 @@ def test_imatrix_covers_every_matmul_weight(quants):
     assert {k.split(".")[2] for k in entries if k.startswith("blk.")} == set(kinds)
 
 
+def _weights(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """{name: (type, dequantized weight (rows, width))} of every 2-D tensor of a GGUF file."""
+    r = gguf.GGUFReader(path)
+    out = {}
+    for t in r.tensors:
+        if len(t.shape) == 2:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+            out[t.name] = (t.tensor_type.name, w.reshape(int(t.shape[1]), int(t.shape[0])))
+    return out
+
+
 @needs_tools
-def test_imatrix_q4_k_m_beats_plain_q4_k_m(quants, reference):
+@pytest.mark.parametrize("which", ["imatrix", "torch-imatrix"])
+def test_imatrix_lowers_the_weighted_rounding_error(quants, which):
+    """sum_j v_j (W - Q(W))^2 over every weight quantized to the same type with and without the
+    imatrix: llama.cpp's quantizer minimises exactly this, so the imatrix file must be lower."""
+    ref = _weights(quants["F32"])
+    plain = _weights(quants["Q4_K_M"])
+    weighted = _weights(quants[f"{'im' if which == 'imatrix' else 'torch-im'}-Q4_K_M"])
+    v = mean_squares(quants[which])
+    err = {"plain": 0.0, "imatrix": 0.0}
+    compared = []
+    for name, (_, w) in ref.items():
+        if name not in v or plain[name][0] != weighted[name][0] or plain[name][0] in ("F32", "F16"):
+            continue
+        compared.append(f"{name}:{plain[name][0]}")
+        for label, q in (("plain", plain[name][1]), ("imatrix", weighted[name][1])):
+            err[label] += float((((w - q) ** 2) * v[name][None, :]).sum() / v[name].sum())
+    assert len(compared) >= 7, compared  # every projection of a block at least
+    ratio = err["imatrix"] / err["plain"]
+    print(f"\n{which}: weighted rounding error over {len(compared)} tensors, imatrix/plain = {ratio:.3f}")
+    assert ratio <= MAX_WEIGHTED_ERROR_RATIO, f"{which} Q4_K_M weighted error is {ratio:.3f}x plain's"
+
+
+@needs_tools
+def test_pytorch_importance_equals_llama_imatrix(quants):
+    """What `export gguf --imatrix` computes from the checkpoint is llama-imatrix's statistic."""
+    ours, tool = mean_squares(quants["torch-imatrix"]), mean_squares(quants["imatrix"])
+    assert set(ours) == set(tool) and len(tool) >= 7
+    rel = max(float(np.abs(ours[n] - tool[n]).max() / np.abs(tool[n]).max()) for n in tool)
+    print(f"\nmax relative difference, PyTorch importance vs llama-imatrix, over {len(tool)} weights: {rel:.2e}")
+    assert rel <= MAX_IMPORTANCE_REL_DIFF
+
+
+@needs_tools
+def test_imatrix_q4_k_m_is_no_worse_than_plain_q4_k_m(quants, reference):
     plain, plain_top1 = _kl_of(quants["Q4_K_M"], reference)
-    weighted, weighted_top1 = _kl_of(quants["im-Q4_K_M"], reference)
-    ratio = weighted / plain
-    print(f"\nheld-out Bangla KL vs fp32: plain Q4_K_M {plain:.3e} (top-1 {plain_top1:.1%}), "
-          f"imatrix Q4_K_M {weighted:.3e} (top-1 {weighted_top1:.1%}), ratio {ratio:.3f}")
-    assert ratio <= MAX_RATIO, f"imatrix Q4_K_M KL {weighted:.3e} is {ratio:.2f}x plain {plain:.3e}"
+    ratios = {}
+    for which in ("im", "torch-im"):
+        kl, top1 = _kl_of(quants[f"{which}-Q4_K_M"], reference)
+        ratios[which] = kl / plain
+        print(f"\nheld-out Bangla KL vs fp32: plain Q4_K_M {plain:.3e} (top-1 {plain_top1:.1%}), "
+              f"{which} Q4_K_M {kl:.3e} (top-1 {top1:.1%}), ratio {ratios[which]:.3f}")
+    assert all(r <= MAX_KL_RATIO for r in ratios.values()), ratios
 
 
 @needs_tools
