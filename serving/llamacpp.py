@@ -8,8 +8,12 @@
   back to plain text completion and says so (`chat_notice`, one `warning:` line at load);
 - a file llama.cpp cannot load is one ServingError naming it, with llama.cpp's own reason;
 - tokenize: llama.cpp's tokenizer reading the GGUF vocabulary, on normalize(text);
-- logits: every position (`logits_all=True`; llama-cpp-python 0.3.x fills `scores` only then);
-- generate: llama.cpp's sampler chain (greedy when temperature == 0);
+- logits: every position, decoded through llama.cpp's C API with a batch that asks for each row (so the
+  context itself is built without `logits_all`, which would copy every token's logits into Python);
+- generate: the prompt in batches of n_batch (logits of its last position only), then one token per
+  step, each sampled by a llama.cpp sampler chain (penalties, then greedy, or top-k, top-p, temperature,
+  seeded draw) inside llama.cpp: no logits cross into Python while generating; a prompt that extends
+  what the KV cache holds (a chat's next turn) decodes only its new tokens;
 - one threading.Lock around everything that touches the context (logits, generate): a Llama object
   is never entered by two requests at once; a generate stream holds it until it ends or is closed.
 For prodip files the KV cache is F32 (`kv_f32`): the default F16 cache alone moves logits by ~4e-3,
@@ -43,6 +47,8 @@ FILE_TYPE_KEY = "general.file_type"
 NAME_KEY = "general.name"
 TEMPLATE_KEY = "tokenizer.chat_template"
 FOREIGN_MAX_CTX = 4096  # default context for foreign files (llama.cpp's own default), when n_ctx is not given
+PENALTY_LAST_N = 64  # tokens repetition_penalty looks back over (llama-cpp-python's last_n_tokens_size default)
+MIN_KEEP = 1  # candidates top-p always keeps
 _LOG_LOCK = threading.Lock()  # llama.cpp's log callback is process-wide: one load captures it at a time
 
 
@@ -138,12 +144,39 @@ def _type_label(path: Path) -> str:
     return stem.rsplit("-", 1)[-1] if "-" in stem else stem
 
 
+class _AllLogitsBatch:
+    """A llama_batch of up to `size` tokens of sequence 0 that asks for every position's logits."""
+
+    def __init__(self, size: int):
+        import llama_cpp
+
+        self.size = size
+        self.batch = llama_cpp.llama_batch_init(size, 0, 1)
+        for i in range(size):
+            self.batch.n_seq_id[i] = 1
+            self.batch.seq_id[i][0] = 0
+            self.batch.logits[i] = 1
+
+    def fill(self, ids: list[int], pos0: int):
+        n = len(ids)
+        tokens, positions = np.asarray(ids, dtype=np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
+        ctypes.memmove(self.batch.token, tokens.ctypes.data, tokens.nbytes)  # both arrays alive here
+        ctypes.memmove(self.batch.pos, positions.ctypes.data, positions.nbytes)
+        self.batch.n_tokens = n
+        return self.batch
+
+    def free(self) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_batch_free(self.batch)
+
+
 class LlamaCppBackend:
     def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, threads: int | None = None,
-                 kv_f32: bool | None = None, logits_all: bool = True, n_batch: int = 512, seed: int = 0,
-                 verbose: bool = False):
+                 kv_f32: bool | None = None, n_batch: int = 512, seed: int = 0, verbose: bool = False):
         """`n_ctx` None: the trained context (foreign files: at most FOREIGN_MAX_CTX); `kv_f32` None: an
-        F32 KV cache for prodip files (parity), llama.cpp's F16 for others."""
+        F32 KV cache for prodip files (parity), llama.cpp's F16 for others; `seed`: the sampling seed of
+        requests that give none, until one does (then theirs, as llama-cpp-python's set_seed)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ServingError(f"GGUF not found: {self.path}")
@@ -156,14 +189,15 @@ class LlamaCppBackend:
             kv_f32 = self.prodip
         kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
         self._lock = threading.Lock()
+        self._seed = seed
+        self._batch = None  # the all-logits batch (logits()), made on first use
         self.llm = open_llama(self.path, self.info.arch, n_ctx=n_ctx or 0, n_threads=threads,
-                              n_threads_batch=threads, n_batch=n_batch, logits_all=logits_all, seed=seed,
+                              n_threads_batch=threads, n_batch=n_batch, logits_all=False, seed=seed,
                               verbose=verbose, **kv)
         # llama.cpp pads its context (to 256) but llama-cpp-python's token/logit buffers keep the asked size
         # (the trained context when n_ctx=0): past that they overflow, so that is the usable context
         self.n_ctx = min(self.llm.n_ctx(), self.llm.context_params.n_ctx)
         self.n_vocab = self.llm.n_vocab()
-        self.logits_all = logits_all
         self.name = f"llama.cpp-{_type_label(self.path)}"
         self.chat_notice: str | None = None  # set when chats fall back to plain completion
         self._formatter = None  # a foreign file's chat template (llama-cpp-python's Jinja2ChatFormatter)
@@ -248,56 +282,111 @@ class LlamaCppBackend:
             raise ServingError(f"token id {bad[0]} outside the vocabulary (0..{self.n_vocab - 1})")
         return ids
 
-    def _scores(self, n: int) -> np.ndarray:
-        if not self.logits_all:
-            raise ServingError("logits need LlamaCppBackend(..., logits_all=True)")
-        return np.array(self.llm.scores[:n], dtype=np.float32)
+    # llama.cpp's C API: the context is entered only under self._lock ---------------------------------
+    def _clear(self) -> None:
+        """An empty KV cache (and llama-cpp-python's record of it)."""
+        import llama_cpp
+
+        self.llm.reset()
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llm.ctx), -1, 0, -1)
+
+    def _decode_all(self, ids: list[int], pos0: int) -> np.ndarray:
+        """(len(ids), V) logits of `ids` placed at positions pos0.., in batches of n_batch, every row asked for."""
+        import llama_cpp
+
+        if self._batch is None:
+            self._batch = _AllLogitsBatch(self.llm.n_batch)
+        rows = []
+        for i in range(0, len(ids), self._batch.size):
+            chunk = ids[i:i + self._batch.size]
+            rc = llama_cpp.llama_decode(self.llm.ctx, self._batch.fill(chunk, pos0 + i))
+            if rc != 0:
+                raise ServingError(f"{self.path.name}: llama_decode returned {rc}")
+            out = llama_cpp.llama_get_logits(self.llm.ctx)
+            rows.append(np.ctypeslib.as_array(out, shape=(len(chunk), self.n_vocab)).copy())
+        return np.concatenate(rows)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """(T, V) fp32 logits for every position, the whole sequence evaluated in one batch."""
         ids = self._check(ids)
         with self._lock:
-            self.llm.reset()
-            self.llm.eval(ids)
-            return self._scores(len(ids))
+            self._clear()
+            return self._decode_all(ids, 0)
 
     def logits_incremental(self, ids: Sequence[int], prefix: int = 0) -> np.ndarray:
         """The same logits decoded through the KV cache: `prefix` tokens in one batch, then one by one."""
         ids = self._check(ids)
         with self._lock:
-            self.llm.reset()
-            if prefix:
-                self.llm.eval(ids[:prefix])
-            for i in ids[prefix:]:
-                self.llm.eval([i])
-            return self._scores(len(ids))
+            self._clear()
+            rows = [self._decode_all(ids[:prefix], 0)] if prefix else []
+            rows += [self._decode_all([t], i) for i, t in enumerate(ids[prefix:], prefix)]
+            return np.concatenate(rows)
+
+    def _sampler(self, params: SamplingParams):
+        """A llama.cpp sampler chain for `params`: the stages llama-cpp-python's Llama.generate builds
+        (its typical-p 1.0 and min-p 0.0 stages do nothing and are left out), so seeded draws are the same."""
+        import llama_cpp
+
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        stages = [llama_cpp.llama_sampler_init_penalties(self.n_vocab, PENALTY_LAST_N, params.repetition_penalty,
+                                                         0.0, 0.0)]
+        if params.temperature == 0:
+            stages.append(llama_cpp.llama_sampler_init_greedy())
+        else:
+            stages += [llama_cpp.llama_sampler_init_top_k(params.top_k),
+                       llama_cpp.llama_sampler_init_top_p(params.top_p, MIN_KEEP),
+                       llama_cpp.llama_sampler_init_temp(params.temperature),
+                       llama_cpp.llama_sampler_init_dist(self._seed)]
+        for stage in stages:
+            llama_cpp.llama_sampler_chain_add(chain, stage)  # the chain owns (and frees) its stages
+        return chain
+
+    def _prefill(self, ids: list[int]) -> None:
+        """Decode the prompt. When the KV cache holds a strict prefix of it (a chat's earlier turns and
+        reply), only the rest is decoded; otherwise the cache starts empty. Only Llama's methods change
+        its record of the cache (reset, eval), so a wrapper around `self.llm` sees every entry."""
+        held = self.llm.n_tokens
+        if not (0 < held < len(ids) and np.array_equal(self.llm.input_ids[:held], ids[:held])):
+            self._clear()
+            held = 0
+        self.llm.eval(ids[held:])
 
     def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Stream new token ids (llama.cpp's sampler), stopping at an end-of-sequence id."""
+        import llama_cpp
+
         params.validate()
         ids = self._check(ids)
         room = self.n_ctx - len(ids)
         if room <= 0:
             raise ServingError(f"the prompt fills the whole context ({self.n_ctx} tokens)")
+        limit = min(params.max_new_tokens, room)
         with self._lock:
             if params.seed is not None:
-                self.llm.set_seed(params.seed)
-            stream = self.llm.generate(ids, top_k=params.top_k, top_p=params.top_p, min_p=0.0, temp=params.temperature,
-                                       repeat_penalty=params.repetition_penalty, reset=True)
+                self._seed = params.seed
+            chain = self._sampler(params)
             try:
-                for n, tok in enumerate(stream, 1):
+                self._prefill(ids)
+                # per token: one sample and one decode call into llama.cpp (Llama.eval keeps
+                # llama-cpp-python's record of the cache, which the next request's prefix reuse reads)
+                for n in range(1, limit + 1):
+                    tok = llama_cpp.llama_sampler_sample(chain, self.llm.ctx, -1)
                     if tok in self.eos_ids:
                         return
-                    yield int(tok)
-                    if n >= min(params.max_new_tokens, room):
+                    yield tok
+                    if n == limit:
                         return
+                    self.llm.eval([tok])
             finally:
-                stream.close()
+                llama_cpp.llama_sampler_free(chain)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
             with self._lock:
+                if self._batch is not None:
+                    self._batch.free()
+                    self._batch = None
                 llm.close()
             self.llm = None
 

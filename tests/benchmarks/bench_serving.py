@@ -1,19 +1,24 @@
 """One serving table: every format of one model, through our Python backends, llama.cpp's own
-tools and ONNX Runtime GenAI, as Markdown.
+tools and ONNX Runtime GenAI, printed as Markdown and written as JSON + Markdown.
 
     python tests/benchmarks/bench_serving.py RUN_DIR [--threads N] [--prompt-tokens 128] [--gen-tokens 64]
+        [--only TEXT] [--out DIR]
 
 Rows, whichever exist:
 - our Python path (serving.Backend): PyTorch fp32 (the run's latest checkpoint), ONNX fp32/int8/int4
   (RUN_DIR/export/onnx/), GGUF F16/Q8_0/Q4_K_M through llama-cpp-python (RUN_DIR/export/gguf/);
-- llama.cpp's `llama-bench` on the same GGUF files (when scripts/build_llama_tools.sh built it);
-- ONNX Runtime GenAI on RUN_DIR/export/onnx/genai/<variant>/ (export/genai.py; when
-  `onnxruntime-genai` is installed).
-Columns: file size, load time, time to first token (prompt of --prompt-tokens), generation tokens/s
-at 1 thread and at --threads (default: all cores), peak RSS, and KL / top-1 agreement vs the PyTorch
-fp32 model on one held-out Bangla window (tool rows run the same file as the Python row above them,
-so their quality is that file's). Every measurement runs in its own process (clean peak RSS, no
-shared thread pools). Greedy decoding, so every runtime does the same work per token.
+- llama.cpp's `llama-bench` on the same GGUF files (when scripts/build_llama_tools.sh built it), with
+  the settings of our llama.cpp row: same threads, F16 KV cache (llama-bench has no F32 cache, so our
+  row runs with kv_f32=False here), flash attention off, batch 512, and generation measured at the same
+  depth (-d = the prompt length);
+- ONNX Runtime GenAI on RUN_DIR/export/onnx/genai/<variant>/ (export.genai; when `onnxruntime-genai`
+  is installed).
+Columns: file size, load time, time to first token (a fresh prompt of --prompt-tokens), generation
+tokens/s (tg: new tokens after the first, greedy) at 1 thread and at --threads (default: all cores),
+peak RSS, KL / top-1 agreement vs the PyTorch fp32 model on one held-out Bangla window (tool rows run
+the same file as the Python row above them, so their quality is that file's), and the 1-minute load
+average when each measurement ended. Every measurement runs in its own process (clean peak RSS, no
+shared thread pools); ours and llama-bench's are the mean of BENCH_REPETITIONS runs.
 
 Targets: llama.cpp Q4_K_M generates >= 5x as fast as PyTorch fp32; our Python llama.cpp path
 generates >= 0.9x raw llama-bench speed on the same file and threads.
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +50,11 @@ GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M")
 TARGET_SPEEDUP = 5.0
 TARGET_VS_LLAMA_BENCH = 0.9
 BENCH_REPETITIONS = 3
+N_BATCH = 512  # serving.llamacpp's n_batch (and n_ubatch): llama-bench is run with the same
 KIB = 1024
+OUT_JSON, OUT_MD = "serving-bench.json", "serving-bench.md"
+RUNTIME_NAMES = {"torch": "PyTorch", "onnx": "ONNX Runtime (prodip)", "llama.cpp": "llama-cpp-python (prodip)",
+                 "llama-bench": "llama-bench (llama.cpp)", "genai": "ONNX Runtime GenAI"}
 
 
 # ------------------------------------------------------------------------------------ what exists
@@ -69,15 +79,14 @@ def formats(run: Path) -> list[dict]:
             out.append({"label": label, "runner": "onnx", "path": f, "bytes": size})
             g = onnx / GENAI_DIR / variant
             if genai and (g / GENAI_CONFIG).is_file():
-                out.append({"label": f"{label}, ONNX Runtime GenAI", "runner": "genai", "path": g, "bytes": size,
-                            "same_as": label})
+                out.append({"label": label, "runner": "genai", "path": g, "bytes": size, "same_as": label})
     bench = find_tool("llama-bench")
     for t in GGUF_TYPES:
         for f in sorted((run / layout.EXPORT / layout.GGUF_DIR).glob(f"*-{t}.gguf")):
             out.append({"label": f"GGUF {t}", "runner": "llama.cpp", "path": f, "bytes": f.stat().st_size})
             if bench is not None:
-                out.append({"label": f"GGUF {t}, llama-bench", "runner": "llama-bench", "path": f,
-                            "bytes": f.stat().st_size, "same_as": f"GGUF {t}"})
+                out.append({"label": f"GGUF {t}", "runner": "llama-bench", "path": f, "bytes": f.stat().st_size,
+                            "same_as": f"GGUF {t}"})
     return out
 
 
@@ -88,15 +97,31 @@ def _has_genai() -> bool:
 
 
 # ------------------------------------------------------------------------------------ measuring
-def prompt_ids(tokenize, prompt_tokens: int, n_ctx: int, gen_tokens: int) -> list[int]:
+def prompts(tokenize, prompt_tokens: int, n_ctx: int, gen_tokens: int, n: int) -> list[list[int]]:
+    """`n` different prompts of the same length (BOS + the text shifted by one token each): every
+    timed run starts from a fresh prompt, so no runtime's prefix cache shortens its first token."""
+    length = min(prompt_tokens, n_ctx - gen_tokens - 1)
     text = PROMPT_TEXT
-    while len(tokenize(text)) < prompt_tokens:
+    while len(tokenize(text)) < length + n:
         text += PROMPT_TEXT
-    return tokenize(text)[:min(prompt_tokens, n_ctx - gen_tokens - 1)]
+    ids = tokenize(text)
+    return [[ids[0], *ids[1 + r:length + r]] for r in range(n)]
 
 
 def quality_window(tokenize, n_ctx: int) -> list[int]:
     return tokenize(HELDOUT.read_text(encoding="utf-8"))[:n_ctx]
+
+
+def timed_stream(stream) -> tuple[float | None, int, float, float]:
+    """(seconds to the first item, items, total seconds, this process's CPU seconds after the first
+    item) of an iterator, consumed now."""
+    start = time.perf_counter()
+    first, n, cpu0 = None, 0, 0.0
+    for _ in stream:
+        n += 1
+        if first is None:
+            first, cpu0 = time.perf_counter() - start, time.process_time()
+    return first, n, time.perf_counter() - start, time.process_time() - cpu0
 
 
 def measure_backend(kind: str, path: Path, threads: int, prompt_tokens: int, gen_tokens: int,
@@ -108,20 +133,25 @@ def measure_backend(kind: str, path: Path, threads: int, prompt_tokens: int, gen
     from serving.backend import SamplingParams
     from training.logprobs import kl_rows
 
+    # llama.cpp: an F16 KV cache (llama.cpp's default) rather than the F32 one parity uses for prodip
+    # files, because llama-bench has no F32 cache and its row must time the same work
+    extra = {"kv_f32": False} if kind == "llama.cpp" else {}
     t0 = time.perf_counter()
-    b = load(path, backend=kind, threads=threads)
+    b = load(path, backend=kind, threads=threads, **extra)
     load_s = time.perf_counter() - t0
-    ids = prompt_ids(b.tokenize, prompt_tokens, b.n_ctx, gen_tokens)
-    list(b.generate(ids[:8], SamplingParams.greedy(2)))  # warm-up
-    start = time.perf_counter()
-    first, n = None, 0
-    for _ in b.generate(ids, SamplingParams.greedy(gen_tokens)):
-        n += 1
-        if first is None:
-            first = time.perf_counter() - start
-    total = time.perf_counter() - start
-    r = {"load_s": load_s, "ttft_s": first, "n_gen": n,
-         "gen_tps": (n - 1) / (total - first) if n > 1 and first is not None else None}
+    *runs, warm = prompts(b.tokenize, prompt_tokens, b.n_ctx, gen_tokens, BENCH_REPETITIONS + 1)
+    list(b.generate(warm[:8], SamplingParams.greedy(2)))  # warm-up
+    ttft, tps, cpu, n_gen = [], [], [], []
+    for ids in runs:
+        first, n, total, cpu_s = timed_stream(b.generate(ids, SamplingParams.greedy(gen_tokens)))
+        n_gen.append(n)
+        if first is not None:
+            ttft.append(first)
+        if n > 1:
+            tps.append((n - 1) / (total - first))
+            cpu.append(cpu_s / (n - 1))
+    r = {"load_s": load_s, "ttft_s": _mean(ttft), "gen_tps": _mean(tps), "n_gen": min(n_gen),
+         "gen_tps_runs": tps, "gen_cpu_s_per_token": _mean(cpu)}
     window = quality_window(b.tokenize, b.n_ctx)
     logits = b.logits(window)
     if reference is None:  # the PyTorch row writes the reference
@@ -135,56 +165,57 @@ def measure_backend(kind: str, path: Path, threads: int, prompt_tokens: int, gen
 
 
 def measure_genai(folder: Path, threads: int, prompt_tokens: int, gen_tokens: int) -> dict:
-    """ONNX Runtime GenAI (child process): our tokenizer's ids, greedy search."""
-    import onnxruntime_genai as og
-
+    """ONNX Runtime GenAI (child process): export.genai's speed probe on our tokenizer's ids."""
+    from export.genai import GENAI_CONFIG, genai_generate_speed
     from training.tokenizer import Tokenizer
 
-    cfg = json.loads((folder / "genai_config.json").read_text())
-    t0 = time.perf_counter()
-    config = og.Config(str(folder))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                                        "inter_op_num_threads": 1}}}}))
-    model = og.Model(config)
-    load_s = time.perf_counter() - t0
+    cfg = json.loads((folder / GENAI_CONFIG).read_text())
     tok = Tokenizer.load(folder / "tokenizer.model")
-    ids = prompt_ids(lambda s: tok.encode(s, bos=True), prompt_tokens, cfg["model"]["context_length"], gen_tokens)
+    ids = prompts(lambda s: tok.encode(s, bos=True), prompt_tokens, cfg["model"]["context_length"], gen_tokens, 1)[0]
+    s = genai_generate_speed(folder, ids, gen_tokens, threads, repeats=BENCH_REPETITIONS)
+    return {"load_s": s.load_s, "ttft_s": s.ttft_s, "gen_tps": s.tokens_per_s, "n_gen": s.new_tokens,
+            "statistic": "best", "peak_rss_bytes": peak_rss_bytes()}
 
-    def run(n_new: int) -> tuple[float | None, int, float]:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + n_new, min_length=len(ids) + n_new, do_sample=False)
-        gen = og.Generator(model, params)
-        start = time.perf_counter()
-        gen.append_tokens(ids)
-        first, n = None, 0
-        while not gen.is_done():
-            gen.generate_next_token()
-            n += 1
-            if first is None:
-                first = time.perf_counter() - start
-        return first, n, time.perf_counter() - start
 
-    run(2)  # warm-up
-    first, n, total = run(gen_tokens)
-    return {"load_s": load_s, "ttft_s": first, "n_gen": n,
-            "gen_tps": (n - 1) / (total - first) if n > 1 and first is not None else None,
-            "peak_rss_bytes": peak_rss_bytes()}
+def llama_bench_args(path: Path, threads: int) -> list[str]:
+    """llama-bench with the settings our llama.cpp row runs `path` with (threads, F16 KV cache, no
+    flash attention, batch), so the two time the same llama.cpp work."""
+    return ["-m", str(path), "-t", str(threads), "-fa", "off", "-b", str(N_BATCH), "-ub", str(N_BATCH),
+            "-ctk", "f16", "-ctv", "f16", "-r", str(BENCH_REPETITIONS), "-o", "json"]
 
 
 def measure_llama_bench(path: Path, threads: int, prompt_tokens: int, gen_tokens: int) -> dict:
-    """llama.cpp's own llama-bench (no Python): prompt processing and generation tokens/s."""
+    """llama.cpp's own llama-bench (no Python): prompt processing (pp) and generation (tg) tokens/s;
+    tg at depth --prompt-tokens, where our path generates too."""
     from export.llama_tools import tool_path
 
-    def bench(*args: str) -> list[dict]:
-        p = subprocess.run([str(tool_path("llama-bench")), "-m", str(path), "-t", str(threads), "-o", "json",
-                            "-r", str(BENCH_REPETITIONS), *args], capture_output=True, text=True, timeout=1800)
+    commands = []
+
+    def bench(*args: str) -> tuple[dict, float]:
+        """llama-bench's JSON record and the CPU seconds its process used."""
+        cmd = [str(tool_path("llama-bench")), *llama_bench_args(path, threads), *args]
+        commands.append(" ".join(cmd))
+        cpu0 = _children_cpu_s()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if p.returncode != 0:
             raise RuntimeError((p.stderr.strip().splitlines() or ["llama-bench failed"])[-1])
-        return json.loads(p.stdout)
+        return json.loads(p.stdout)[0], _children_cpu_s() - cpu0
 
     pp = bench("-p", str(prompt_tokens), "-n", "0")[0]["avg_ts"]
-    tg = bench("-p", "0", "-n", str(gen_tokens))[0]["avg_ts"]
-    return {"load_s": None, "ttft_s": prompt_tokens / pp, "gen_tps": tg, "pp_tps": pp, "peak_rss_bytes": None}
+    depth = ("-p", "0", "-d", str(prompt_tokens))
+    tg, tg_cpu = bench(*depth, "-n", str(gen_tokens))
+    r = {"load_s": None, "ttft_s": prompt_tokens / pp, "gen_tps": tg["avg_ts"], "gen_tps_runs": tg["samples_ts"],
+         "pp_tps": pp, "n_gen": gen_tokens, "commands": commands}
+    if threads == 1:  # CPU per generated token: the same run with 1 token, subtracted (load, depth, warm-up)
+        _, one_cpu = bench(*depth, "-n", "1")
+        r["gen_cpu_s_per_token"] = (tg_cpu - one_cpu) / (BENCH_REPETITIONS * (gen_tokens - 1))
+    r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * KIB  # the largest llama-bench
+    return r
+
+
+def _children_cpu_s() -> float:
+    u = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return u.ru_utime + u.ru_stime
 
 
 def peak_rss_bytes() -> int:
@@ -198,6 +229,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB
 
 
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
 def run_child(fmt_: dict, threads: int, args: argparse.Namespace, reference: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "BENCH_REFERENCE": str(reference)}
     cmd = [sys.executable, __file__, "--one", fmt_["runner"], str(fmt_["path"]), "--threads", str(threads),
@@ -205,9 +240,10 @@ def run_child(fmt_: dict, threads: int, args: argparse.Namespace, reference: Pat
     if fmt_["runner"] != "torch":
         cmd += ["--reference", str(reference)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    load1 = os.getloadavg()[0]
     if p.returncode != 0:
-        return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+        return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1], "load1": load1}
+    return {**json.loads(p.stdout.strip().splitlines()[-1]), "load1": load1}
 
 
 # ------------------------------------------------------------------------------------ the table
@@ -217,43 +253,56 @@ def fmt(v: float | None, spec: str) -> str:
 
 def table(rows: list[dict], threads: int) -> str:
     lines = [f"| format | runtime | file MiB | load s | TTFT ms | gen tok/s, 1 thread | gen tok/s, {threads} threads "
-             "| peak RSS MiB | KL vs fp32 | top-1 vs fp32 |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    by_label = {r["label"]: r for r in rows}
+             f"| CPU ms/token, 1 thread | peak RSS MiB | KL vs fp32 | top-1 vs fp32 | load avg (1 / {threads} thr) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_label = {r["label"]: r for r in rows if not r.get("same_as")}
     for r in rows:
         one, many = r["results"].get(1, {}), r["results"].get(threads, {})
+        runtime = RUNTIME_NAMES[r["runner"]]
+        loads = f"{fmt(one.get('load1'), '.1f')} / {fmt(many.get('load1'), '.1f')}"
         err = one.get("error") or many.get("error")
-        label, _, runtime = r["label"].partition(", ")
-        runtime = runtime or {"torch": "PyTorch", "onnx": "ONNX Runtime (prodip)",
-                              "llama.cpp": "llama-cpp-python (prodip)"}[r["runner"]]
         if err:
-            lines.append(f"| {label} | {runtime} | {r['bytes'] / KIB**2:.1f} | error: {err} | | | | | | |")
+            lines.append(f"| {r['label']} | {runtime} | {r['bytes'] / KIB**2:.1f} | error: {err} | | | | | | | | {loads} |")
             continue
         q = by_label[r["same_as"]]["results"].get(threads, {}) if r.get("same_as") else many
         rss = many.get("peak_rss_bytes")
-        lines.append(f"| {label} | {runtime} | {r['bytes'] / KIB**2:.1f} | {fmt(many.get('load_s'), '.2f')} | "
+        short = f" (stopped after {many['n_gen']})" if many.get("n_gen", 0) < r.get("gen_tokens", 0) else ""
+        lines.append(f"| {r['label']} | {runtime} | {r['bytes'] / KIB**2:.1f} | {fmt(many.get('load_s'), '.2f')} | "
                      f"{fmt(many.get('ttft_s') and many['ttft_s'] * 1000, '.0f')} | {fmt(one.get('gen_tps'), '.1f')} | "
-                     f"{fmt(many.get('gen_tps'), '.1f')} | {fmt(rss and rss / KIB**2, '.0f')} | "
+                     f"{fmt(many.get('gen_tps'), '.1f')}{short} | "
+                     f"{fmt(one.get('gen_cpu_s_per_token') and one['gen_cpu_s_per_token'] * 1000, '.2f')} | "
+                     f"{fmt(rss and rss / KIB**2, '.0f')} | "
                      f"{fmt(q.get('kl'), '.2e') if r['runner'] != 'torch' else '0'} | "
-                     f"{fmt(q.get('top1') and q['top1'] * 100, '.1f') + '%' if q.get('top1') is not None else '—'} |")
+                     f"{fmt(q.get('top1') and q['top1'] * 100, '.1f') + '%' if q.get('top1') is not None else '—'} | "
+                     f"{loads} |")
     return "\n".join(lines)
 
 
 def verdicts(rows: list[dict], threads: int) -> list[str]:
     out = []
-    speed = {r["label"]: r["results"].get(threads, {}).get("gen_tps") for r in rows}
-    if speed.get("GGUF Q4_K_M") and speed.get("PyTorch fp32"):
-        x = speed["GGUF Q4_K_M"] / speed["PyTorch fp32"]
+
+    def speed(label: str, runner: str, n: int, key: str = "gen_tps") -> float | None:
+        return next((r["results"].get(n, {}).get(key) for r in rows
+                     if r["label"] == label and r["runner"] == runner), None)
+
+    q4, fp32 = speed("GGUF Q4_K_M", "llama.cpp", threads), speed("PyTorch fp32", "torch", threads)
+    if q4 and fp32:
+        x = q4 / fp32
         out.append(f"llama.cpp Q4_K_M generates {x:.1f}x as fast as PyTorch fp32 "
                    f"({'meets' if x >= TARGET_SPEEDUP else 'misses'} the >= {TARGET_SPEEDUP:.0f}x target).")
     for t in GGUF_TYPES:
         for n in sorted({1, threads}):
-            ours = next((r["results"].get(n, {}).get("gen_tps") for r in rows if r["label"] == f"GGUF {t}"), None)
-            raw = next((r["results"].get(n, {}).get("gen_tps") for r in rows if r["label"] == f"GGUF {t}, llama-bench"), None)
+            ours, raw = speed(f"GGUF {t}", "llama.cpp", n), speed(f"GGUF {t}", "llama-bench", n)
             if ours and raw:
                 x = ours / raw
                 out.append(f"GGUF {t}, {n} thread(s): our Python path {ours:.1f} tok/s = {x:.2f}x llama-bench {raw:.1f} "
                            f"({'meets' if x >= TARGET_VS_LLAMA_BENCH else 'misses'} >= {TARGET_VS_LLAMA_BENCH}x).")
+        ours, raw = (speed(f"GGUF {t}", r, 1, "gen_cpu_s_per_token") for r in ("llama.cpp", "llama-bench"))
+        if ours and raw:  # CPU time per token: what other jobs on the machine do not change
+            x = raw / ours
+            out.append(f"GGUF {t}, 1 thread, CPU time per new token: ours {ours * 1000:.2f} ms, llama-bench "
+                       f"{raw * 1000:.2f} ms = {x:.2f}x llama-bench's speed "
+                       f"({'meets' if x >= TARGET_VS_LLAMA_BENCH else 'misses'} >= {TARGET_VS_LLAMA_BENCH}x).")
     return out
 
 
@@ -264,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--only", action="append", default=[], metavar="TEXT", help="rows whose label contains TEXT")
+    ap.add_argument("--out", type=Path, help=f"folder for {OUT_JSON} and {OUT_MD} (default: RUN_DIR)")
     ap.add_argument("--one", metavar="RUNNER", help=argparse.SUPPRESS)  # child mode: measure one file
     ap.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -279,24 +329,38 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run.is_dir():
         print(f"error: not a run folder: {args.run}", file=sys.stderr)
         return 2
+    out_dir = args.out or args.run
+    if not out_dir.is_dir():
+        print(f"error: --out {out_dir}: not a folder", file=sys.stderr)
+        return 2
     found = formats(args.run)
     if args.only:
         found = [f for f in found if f["label"] == "PyTorch fp32" or any(o in f["label"] for o in args.only)]
     if not found or found[0]["runner"] != "torch":
         print(f"error: {args.run} holds no checkpoint (the fp32 reference)", file=sys.stderr)
         return 2
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as td:
         reference = Path(td) / "reference.npy"
         for f in found:
-            f["results"] = {}
+            f["results"], f["gen_tokens"] = {}, args.gen_tokens
             for n in sorted({1, args.threads}):
-                print(f"measuring {f['label']} ({f['path']}), {n} thread(s) ...", file=sys.stderr, flush=True)
+                print(f"measuring {f['label']} ({RUNTIME_NAMES[f['runner']]}, {f['path']}), {n} thread(s) ...",
+                      file=sys.stderr, flush=True)
                 f["results"][n] = run_child(f, n, args, reference)
-    print(f"Serving benchmark: {args.run}, prompt {args.prompt_tokens} tokens, {args.gen_tokens} new tokens, greedy; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end\n")
-    print(table(found, args.threads))
-    for line in verdicts(found, args.threads):
-        print(f"\n{line}")
+    head = (f"Serving benchmark: {args.run}, prompt {args.prompt_tokens} tokens, {args.gen_tokens} new tokens, greedy; "
+            f"{os.cpu_count()} CPUs, load average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. "
+            f"Ours and llama-bench: mean of {BENCH_REPETITIONS} runs; ONNX Runtime GenAI: best of {BENCH_REPETITIONS}.")
+    text = "\n\n".join([head, table(found, args.threads), *verdicts(found, args.threads)])
+    print(text)
+    record = {"run": str(args.run), "threads": args.threads, "prompt_tokens": args.prompt_tokens,
+              "gen_tokens": args.gen_tokens, "cpus": os.cpu_count(), "load_start": load_start,
+              "load_end": os.getloadavg()[0], "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "rows": [{**{k: v for k, v in f.items() if k != "results"}, "path": str(f["path"]),
+                        "results": {str(n): r for n, r in f["results"].items()}} for f in found]}
+    (out_dir / OUT_JSON).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out_dir / OUT_MD).write_text(text + "\n", encoding="utf-8")
+    print(f"\nwrote {out_dir / OUT_JSON} and {out_dir / OUT_MD}", file=sys.stderr)
     return 0
 
 
