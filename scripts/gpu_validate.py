@@ -1,24 +1,29 @@
-"""One-command GPU validation (about 5 minutes, at most 8, on one H100/H200):
+"""One-command GPU validation (about 5 minutes, at most 8 with compiles, on one H100/H200):
 
-    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 8] [--steps 40]
+    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 8] [--steps 60]
                                    [--hourly-usd 3.0] [--data DATA_DIR] [--skip-1b] [--out DIR]
 
 Phases, each written to DIR/gpu_validate.json and DIR/gpu_validate.md as it starts and ends (a run
-stopped by a time limit keeps every finished phase and names the one it was in):
+stopped by a time limit keeps every finished phase and names the one it was in). --budget-s (450 s)
+bounds the whole script: train.py gets what the later phases do not need, and a later phase that no
+longer fits is recorded as skipped.
 
 1. environment: GPU name, its dense bf16 peak (training.metrics.PEAK_BF16_FLOPS), torch, CUDA.
 2. sdpa: which scaled-dot-product-attention kernel (cuDNN / flash / memory-efficient / math) one
-   training step of the preset's block runs, read from the profiler's op names.
+   training step of the preset's block runs, read from the profiler's op names; then each backend
+   forced in turn (torch.nn.attention.sdpa_kernel) and timed, forward + backward, at the training shape.
 3. data: prepares a folder from the shipped corpus (tokenizer + shards). The corpus is small, so the
    train split is tiled (each copy shifted by a token, so no window repeats) until the timed run
    never wraps around; --data uses a folder you prepared instead (e.g. your real 32k-vocab data).
 4. train: `training/train.py` on CUDA with the pre-flight gates ON (gradient flow, compiled vs eager,
    overfit one batch, throughput with its MFU floor and backward/forward ratio, data, tokenizer),
    then a short run of the preset with bf16 autocast, torch.compile, fused AdamW and SDPA.
-5. measure: tokens/s, MFU both ways, peak memory (measured, and the estimate of docs/scale.md), the
-   backward/forward ratio, and the projected time and cost of 2 B tokens.
+5. measure: tokens/s, MFU both ways, peak memory (measured, and training.plan's estimate, the one
+   `train.py --plan` prints), every gate's value against its threshold (compiled_vs_eager: the bf16
+   relative errors against their tolerances), the backward/forward ratio, and the projected time and
+   cost of 2 B tokens.
 6. eager: the same model and micro-batch without torch.compile (a few steps in this process):
-   eager tokens/s and MFU, and the compiled run's speed-up over it.
+   eager tokens/s, MFU both ways and peak memory against the plan, and the compiled run's speed-up.
 7. unless --skip-1b: a memory probe of the 1b preset (eager, 3 optimizer steps at seq 2048: micro-batch
    4 without, and 16 with activation checkpointing), to check it fits an 80 GB GPU.
 
@@ -58,34 +63,18 @@ EAGER_STEPS, EAGER_WARMUP = 5, 2  # the eager baseline: timed steps after warm-u
 PAD_FACTOR = 2  # tile the train split to this many times the tokens the timed run reads
 BOS_ID = 1
 
-# Memory model (docs/scale.md), bytes. Measured on the eager model under bf16 autocast with
-# torch.autograd.graph.saved_tensors_hooks (SDPA's flash path: q, k, v, out and the log-sum-exp are
-# saved, never the T x T scores): per token and block, ~53 x d_model saved activations (400m: 54,344 B;
-# 1b: 107,656 B); with activation checkpointing only the block's fp32 input stays, 4 x d_model.
-STATE_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weights, fp32 gradients, AdamW exp_avg + exp_avg_sq
-BF16_COPY_BYTES_PER_PARAM = 2  # autocast's cached bf16 weight copies, alive through backward
-ACT_BYTES_PER_TOKEN_LAYER_PER_D = 53
-AC_BYTES_PER_TOKEN_LAYER_PER_D = 4
-# the head: bf16 logits (2 V) + their fp32 copy for the loss (4 V) + the fp32 logits gradient (4 V)
-HEAD_BYTES_PER_TOKEN_PER_V = 2 + 4 + 4
+BUDGET_S = 450  # the whole script, compiles included: 7.5 min, under the 8 min a validation slot allows
+EAGER_RESERVE_S = 45  # what the budget keeps for the phases after train.py: the eager probe ...
+PROBE_RESERVE_S = 30  # ... and each 1b memory probe (a 1b model built on the GPU, 3 steps)
+SDPA_REPS = 3  # timed forward+backward passes per forced SDPA backend
 
 
 def estimate_memory_gb(cfg, seq_len: int, batch: int, activation_checkpointing: bool) -> dict[str, float]:
-    """The docs/scale.md arithmetic: model state + activations of one micro-batch (GiB)."""
-    from training.model import count_params
+    """training.plan's estimate (what `train.py --plan` prints) for one process, bf16 autocast, in GiB."""
+    from training.plan import GIB, estimate_memory
 
-    n = count_params(cfg)
-    tokens = seq_len * batch
-    per_layer = (AC_BYTES_PER_TOKEN_LAYER_PER_D if activation_checkpointing else ACT_BYTES_PER_TOKEN_LAYER_PER_D)
-    acts = tokens * cfg.n_layers * per_layer * cfg.d_model
-    if activation_checkpointing:  # one block is recomputed, with its full activations, during backward
-        acts += tokens * ACT_BYTES_PER_TOKEN_LAYER_PER_D * cfg.d_model
-    head = tokens * HEAD_BYTES_PER_TOKEN_PER_V * cfg.vocab_size
-    gib = 2**30
-    out = {"state_gb": n * STATE_BYTES_PER_PARAM / gib, "bf16_weights_gb": n * BF16_COPY_BYTES_PER_PARAM / gib,
-           "activations_gb": acts / gib, "head_gb": head / gib}
-    out["total_gb"] = sum(out.values())
-    return {k: round(v, 1) for k, v in out.items()}
+    mem = estimate_memory(cfg, seq_len, batch, dtype="bf16", activation_checkpointing=activation_checkpointing)
+    return {f"{k}_gb": round(v / GIB, 2) for k, v in mem.items() if k not in ("activations_other", "distributed")}
 
 
 def prepare_data(out: Path, need_tokens: int) -> Path:
@@ -156,6 +145,8 @@ def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: s
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=dev)
 
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:  # the clock starts after the warm-up steps (allocator, cuBLAS heuristics)
@@ -171,11 +162,14 @@ def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: s
         torch.cuda.synchronize()
     tps = steps * batch * seq_len / (time.perf_counter() - t0)
     peak, _ = peak_flops(dev)
+    mem = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
     del model, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return {"eager_tokens_per_s": round(tps),
-            **{f"eager_{k}": round(tps * f / peak, 4) if peak else None for k, f in mfu_flops(cfg, seq_len).items()}}
+            **{f"eager_{k}": round(tps * f / peak, 4) if peak else None for k, f in mfu_flops(cfg, seq_len).items()},
+            "eager_peak_mem_gb": mem,
+            "eager_peak_mem_estimate_gb": estimate_memory_gb(cfg, seq_len, batch, False)["total_gb"]}
 
 
 def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: bool, steps: int = 3) -> dict:
@@ -228,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=flag(PositiveInt), default=8,
                     help="micro-batch (8 x 2048 fits 80 GB for 400m)")
     ap.add_argument("--grad-accum", type=flag(PositiveInt), default=1)
-    ap.add_argument("--steps", type=flag(PositiveInt), default=40)
+    ap.add_argument("--steps", type=flag(PositiveInt), default=60)
     ap.add_argument("--hourly-usd", type=flag(NonNegFloat), default=HOURLY_USD,
                     help="GPU price per hour (default: the reference's)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/prodip-gpu-validate"),
@@ -239,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--skip-1b", action="store_true", help="skip the 1b memory probe")
     ap.add_argument("--train-timeout-s", type=flag(PositiveInt), default=TRAIN_TIMEOUT_S)
+    ap.add_argument("--budget-s", type=flag(PositiveInt), default=BUDGET_S,
+                    help="the whole script's time: train.py gets what the later phases do not need, and a "
+                         "phase that no longer fits is skipped (recorded as such)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a dry run of this script's own logic (tiny presets)")
     return ap
@@ -272,6 +269,14 @@ class Results:
         finally:
             entry["wall_s"] = round(time.time() - t0, 1)
             self.save()
+
+    def skip_if_late(self, name: str, deadline: float, need_s: float) -> bool:
+        """True when phase `name` still fits before `deadline`; else it is recorded as skipped."""
+        if time.time() + need_s <= deadline:
+            return True
+        self.data["phases"].append({"name": name, "status": "skipped: over the --budget-s", "wall_s": 0.0})
+        self.save()
+        return False
 
     def finish(self) -> None:
         self.data["complete"] = True
@@ -331,6 +336,49 @@ def sdpa_kernels(preset_name: str, seq_len: int, device: str) -> dict:
     return {"sdpa_kernel": " + ".join(sorted(forward)) or None, "sdpa_ops": ops}
 
 
+SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # torch.nn.attention.SDPBackend
+
+
+def sdpa_backends(preset_name: str, seq_len: int, batch: int, device: str, reps: int = SDPA_REPS) -> dict:
+    """Each SDPA backend forced in turn (torch.nn.attention.sdpa_kernel) on the training call (causal,
+    GQA, bf16 q/k/v of the preset's heads): forward + backward milliseconds, or why it cannot run."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from training.model import preset
+
+    cfg = preset(preset_name)
+    dev = torch.device(device)
+    shape = (batch, cfg.n_heads, seq_len, cfg.head_dim)
+    kv = (batch, cfg.n_kv_heads, seq_len, cfg.head_dim)
+    q = torch.randn(shape, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(kv, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out: dict[str, float | str] = {}
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    for name in SDPA_BACKENDS:
+        try:
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                for i in range(reps + 1):  # the first pass warms up (kernel selection, workspace)
+                    if i == 1:
+                        sync()
+                        t0 = time.perf_counter()
+                    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                         enable_gqa=cfg.n_kv_heads < cfg.n_heads)
+                    y.sum().backward()
+                sync()
+            out[name.lower()] = round((time.perf_counter() - t0) / reps * 1e3, 3)
+        except (RuntimeError, NotImplementedError) as e:  # "No available kernel" and its reasons
+            out[name.lower()] = f"unavailable: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
+        q.grad = k.grad = v.grad = None
+    timed = {k: v for k, v in out.items() if isinstance(v, float)}
+    return {"sdpa_fwd_bwd_ms": out, "sdpa_fastest": min(timed, key=timed.get) if timed else None,
+            "sdpa_shape": f"batch {batch} x heads {cfg.n_heads} (kv {cfg.n_kv_heads}) x seq {seq_len} x {cfg.head_dim}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
@@ -354,10 +402,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_phases(a: argparse.Namespace, rep: Results) -> int:
     t_start = time.time()
+    deadline = t_start + a.budget_s
     with rep.phase("environment") as res:
         res.update(environment(a.device))
     with rep.phase("sdpa") as res:
         res.update(sdpa_kernels(a.preset, a.seq_len, a.device))
+        res.update(sdpa_backends(a.preset, a.seq_len, a.batch_size, a.device))
     with rep.phase("data"):
         need = a.steps * a.batch_size * a.grad_accum * (a.seq_len + 1) * PAD_FACTOR
         data = a.data or prepare_data(a.out, need)
@@ -369,25 +419,29 @@ def run_phases(a: argparse.Namespace, rep: Results) -> int:
     cmd += [] if a.no_compile else ["--compile"]
     cmd += ["--activation-checkpointing"] if a.activation_checkpointing else []
     print("$ " + " ".join(cmd), flush=True)
+    probes = [] if a.skip_1b or a.device != "cuda" else [(4, False), (16, True)]
+    reserve = EAGER_RESERVE_S + PROBE_RESERVE_S * len(probes)
+    timeout = max(1, min(a.train_timeout_s, round(deadline - time.time() - reserve)))
     with rep.phase("train") as res:
         t0 = time.time()
-        rc = run_train(cmd, a.train_timeout_s)
+        res["train_timeout_s"] = timeout
+        rc = run_train(cmd, timeout)
         res.update({"run_dir": str(run), "train_exit_code": rc, "train_wall_s": round(time.time() - t0, 1)})
     if rc:
         rep.data["phases"][-1]["status"] = "timed out" if rc == 124 else f"exit code {rc}"
         rep.save()
     with rep.phase("measure") as res:
         res.update(measure(a, run))
-    with rep.phase("eager") as res:
-        res.update(eager_probe(run, a.preset, a.seq_len, a.batch_size, a.device))
-        if res.get("tokens_per_s") and not a.no_compile:
-            res["compile_speedup"] = round(res["tokens_per_s"] / res["eager_tokens_per_s"], 2)
-    if not a.skip_1b and a.device == "cuda":
-        probes = [(4, False), (16, True)]
-        res = rep.results.setdefault("memory_1b", [])
-        for batch, ac in probes:
-            with rep.phase(f"memory_1b_b{batch}{'_ac' if ac else ''}"):
-                res.append(memory_probe("1b", a.seq_len, batch, ac))
+    if rep.skip_if_late("eager", deadline, EAGER_RESERVE_S / 2):
+        with rep.phase("eager") as res:
+            res.update(eager_probe(run, a.preset, a.seq_len, a.batch_size, a.device))
+            if res.get("tokens_per_s") and not a.no_compile:
+                res["compile_speedup"] = round(res["tokens_per_s"] / res["eager_tokens_per_s"], 2)
+    for batch, ac in probes:
+        name = f"memory_1b_b{batch}{'_ac' if ac else ''}"
+        if rep.skip_if_late(name, deadline, PROBE_RESERVE_S):
+            with rep.phase(name):
+                rep.results.setdefault("memory_1b", []).append(memory_probe("1b", a.seq_len, batch, ac))
     rep.results["script_wall_s"] = round(time.time() - t_start, 1)
     rep.finish()
     print(rep.markdown())
@@ -432,6 +486,7 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
     tps_full = tps * flops["mfu"] / flops_full["mfu"]  # the full preset (vocab 32768) at the same MFU
     hours = PROJECT_TOKENS / tps_full / 3600 if tps_full > 0 else float("nan")
     measured_mem = max((r["peak_mem_gb"] for r in recs if "peak_mem_gb" in r), default=None)  # CUDA only
+    estimate = estimate_memory_gb(ran, a.seq_len, a.batch_size, a.activation_checkpointing)["total_gb"]
     return {k: None if isinstance(v, float) and v != v else v for k, v in {  # NaN is not JSON
         "preset": a.preset, "vocab_size_ran": ran.vocab_size, "params_ran": count_params(ran),
         "params_preset": count_params(full), "seq_len": a.seq_len, "micro_batch": a.batch_size,
@@ -443,10 +498,12 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
         "mfu_formula": "mfu: tokens/s x (6 N' + 12 n_layers seq_len d_attn) / peak dense bf16 FLOP/s (PaLM, nanoGPT, "
                        "torchtitan); mfu_6ltd: the same with 6 n_layers seq_len d_attn (Kaplan, llm.c); N' = "
                        "non-embedding params + the output head once (training.metrics)",
+        "gates": [{k: g.get(k) for k in ("name", "passed", "value", "threshold")} for g in gates.get("results", [])],
         "gate_mfu_fwd_bwd": gate.get("throughput.mfu", {}).get("value"),
         "backward_forward_ratio": gate.get("throughput.backward_ratio", {}).get("value"),
         "peak_mem_gb": measured_mem,
-        "peak_mem_estimate_gb": estimate_memory_gb(ran, a.seq_len, a.batch_size, a.activation_checkpointing)["total_gb"],
+        "peak_mem_estimate_gb": estimate,
+        "peak_mem_measured_over_estimate": round(measured_mem / estimate, 2) if measured_mem and estimate else None,
         "projected_preset_tokens_per_s": round(tps_full) if tps_full == tps_full else None,
         "projected_2B_tokens_hours": round(hours, 2), "projected_2B_tokens_usd": round(hours * a.hourly_usd, 2),
         "speedup_vs_reference": round(tps_full / REFERENCE_TOKENS_PER_S, 1) if tps_full == tps_full else None,

@@ -3,8 +3,13 @@
 `torchrun … tests/fixtures_distributed.py ARGS`: train.main with a defect on rank 1 only.
 
 Rank 1's Trainer builds every optimizer after its training one over stale parameter copies, so its
-overfit-one-batch gate (which trains a local copy of the model on that rank's own batch) fails while rank 0's passes:
-the gate verdicts differ between ranks, and both ranks must still stop together.
+overfit-one-batch gate (which steps the live DDP model with a fresh optimizer from the run's factory,
+each rank judging its own batch's loss) fails while rank 0's passes: the gate verdicts differ between
+ranks, both ranks step the gate's collectives alike until the budget ends, and both must stop together.
+
+`torchrun … tests/fixtures_distributed.py rank0_reads ARGS`: train.main where every rank but 0 fails
+if it reads a checkpoint's tensors in full (safetensors' load_file): a resume must broadcast them
+from rank 0 instead of loading the whole state into every rank's memory.
 
 `torchrun … tests/fixtures_distributed.py fused_adamw`: the fused AdamW kernel (what train.py uses on
 CUDA) stepping FSDP2's DTensor parameters agrees with the unfused one; prints one JSON line per rank.
@@ -42,6 +47,15 @@ class FaultyOptimizers(Trainer):
 def main(argv: list[str]) -> int:
     if argv[:1] == ["fused_adamw"]:
         return fused_adamw_on_dtensors()
+    if argv[:1] == ["rank0_reads"]:
+        if int(os.environ.get("RANK", "0")) != 0:
+            from training import checkpoint
+
+            def refuse(*a, **k):
+                raise AssertionError(f"rank {os.environ['RANK']} read a whole tensor file: {a[:1]}")
+
+            checkpoint.load_file = refuse  # what checkpoint.load and optimizer_and_rng read full files with
+        return T.main(argv[1:])
     if int(os.environ.get("RANK", "0")) == FAULTY_RANK:
         T.Trainer = FaultyOptimizers  # train.train() builds the Trainer it finds in training.train
     return T.main(argv)
@@ -73,7 +87,11 @@ def fused_adamw_on_dtensors(steps: int = 3) -> int:
         dtensor = all(hasattr(p, "full_tensor") for p in model.parameters())
     diff = max((final[True][k] - final[False][k]).abs().max().item() for k in final[True])
     moved = max((final[True][k] - initial[k]).abs().max().item() for k in final[True])
-    print(json.dumps({"rank": d.rank, "dtensor_params": dtensor, "max_diff": diff, "moved": moved}), flush=True)
+    # One write per line: print() writes the text and its newline separately, so two ranks sharing
+    # the pipe could interleave them into "{...}{...}\n" (seen in CI).
+    row = json.dumps({"rank": d.rank, "dtensor_params": dtensor, "max_diff": diff, "moved": moved})
+    sys.stdout.write(row + "\n")
+    sys.stdout.flush()
     D.teardown(d)
     return 0
 

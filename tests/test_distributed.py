@@ -5,10 +5,13 @@ the wrapped model on every rank, and the sharded data covers each window once pe
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ STEPS = 8
 COMMON = ["--preset", "tiny", "--seq-len", "64", "--max-steps", str(STEPS), "--eval-every", "4", "--save-every", "100",
           "--log-every", "1000", "--lr", "3e-3", "--warmup-steps", "2", "--device", "cpu", "--eval-batches", "2"]
 TORCHRUN_TIMEOUT_S = 600
+SAME_VAL_ROWS = ("--eval-batches", "4")  # batch-size 2 on 2 ranks: COMMON's 2 evaluation batches of the single run's 8 rows
 FP32_TOL = 2e-5  # relative: DDP/FSDP reduce in a different order than one process (fp32 rounding only)
 FSDP_TOL = 1e-4  # FSDP2 also reduce-scatters and all-gathers in fp32: slightly more reordering
 
@@ -91,8 +95,11 @@ def test_ddp_matches_single_process_with_double_batch(bn_data: Path, single: Pat
 
 
 def test_ddp_kill_and_resume_continues_the_same_curve(bn_data: Path, single: Path, tmp_path: Path) -> None:
-    # micro-batch 2 x grad-accum 2 x 2 ranks = the single run's 8 rows: exercises DDP's no_sync too
-    args = [*COMMON, "--data", str(bn_data), "--out", str(tmp_path / "ddp"), "--batch-size", "2", "--grad-accum", "2"]
+    # micro-batch 2 x grad-accum 2 x 2 ranks = the single run's 8 rows: exercises DDP's no_sync too.
+    # Validation counts micro-batches (batch-size rows per rank), not optimizer steps: 4 x 2 x 2 rows
+    # are the single run's 2 x 8, the same windows.
+    args = [*COMMON, "--data", str(bn_data), "--out", str(tmp_path / "ddp"), "--batch-size", "2", "--grad-accum", "2",
+            *SAME_VAL_ROWS]
     train_dist(*args, "--stop-at", "4")
     assert ckpt.latest(tmp_path / "ddp").name == ckpt.step_dir_name(4)
     assert [r["step"] for r in steps(tmp_path / "ddp")] == [1, 2, 3, 4]
@@ -112,7 +119,8 @@ def _gloo_unsupported(stderr: str) -> str | None:
 def test_fsdp2_matches_single_process_and_resumes(bn_data: Path, single: Path, tmp_path: Path) -> None:
     out = tmp_path / "fsdp"
     # 2 x grad-accum 2 x 2 ranks: gradient sync only on the last micro-batch (set_requires_gradient_sync)
-    args = [*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "2", "--grad-accum", "2", "--fsdp"]
+    args = [*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "2", "--grad-accum", "2", "--fsdp",
+            *SAME_VAL_ROWS]
     p = train_dist(*args, "--stop-at", "4", check=False)
     if p.returncode != 0 and (why := _gloo_unsupported(p.stderr)):
         pytest.skip(f"FSDP2 on CPU: this torch's gloo backend lacks a collective: {why}")
@@ -203,3 +211,120 @@ def test_fused_adamw_steps_fsdp2_dtensors_like_the_unfused_one() -> None:
         assert r["dtensor_params"]
         assert r["moved"] > 1e-4  # the optimizer did step
         assert r["max_diff"] < 1e-5, r
+
+
+# ------------------------------------------------------------------- several nodes (HSDP, resume)
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_nodes(script: Path, node_args: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """One torchrun per simulated node (1 CPU rank each), joined by a static rendezvous on localhost:
+    what `torchrun --nnodes=N --node-rank=I` does on N machines. `node_args[i]`: node i's arguments."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(node_args)}",
+                               f"--node-rank={i}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                               f"--master-port={port}", str(script), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for i, args in enumerate(node_args)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=TORCHRUN_TIMEOUT_S)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def test_mesh_shape_is_hsdp_across_nodes_and_flat_within_one() -> None:
+    from training.distributed import mesh_shape
+
+    assert mesh_shape(8, 8) == (8,)  # one node of 8 GPUs: shard over all
+    assert mesh_shape(16, 8) == (2, 8)  # two nodes: replicate across them, shard within each
+    assert mesh_shape(2, 1) == (2, 1)
+    assert mesh_shape(4, 0) == (4,)  # LOCAL_WORLD_SIZE unknown: one node
+    assert mesh_shape(6, 4) == (6,)  # uneven nodes (torchrun never makes them): flat
+
+
+def test_hsdp_on_two_nodes_matches_single_process(bn_data: Path, single: Path, tmp_path: Path) -> None:
+    """Two simulated nodes of one rank each: FSDP2 on a 2-D mesh (replicate across nodes, shard within
+    one), trained to the same curve as one process with the doubled batch."""
+    out = tmp_path / "hsdp"
+    args = [*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4", "--fsdp"]
+    node0, node1 = torchrun_nodes(REPO / "training" / "train.py", [args, args])
+    if node0.returncode != 0 and (why := _gloo_unsupported(node0.stderr + node1.stderr)):
+        pytest.skip(f"HSDP on CPU: this torch's gloo backend lacks a collective: {why}")
+    assert node0.returncode == node1.returncode == 0, (node0.stderr[-3000:], node1.stderr[-3000:])
+    assert "HSDP 2x1" in node0.stdout and not node1.stdout.strip(), node0.stdout[-2000:]
+    assert_same_curve(steps(single), steps(out), tol=FSDP_TOL)
+
+
+def test_a_node_that_cannot_see_the_run_folder_stops_every_rank(bn_data: Path, tmp_path: Path) -> None:
+    """Rank 0 decides what to resume from; a node without the shared file system (its --out is an
+    empty local folder, or a stale copy whose checkpoint differs) stops both nodes with one line
+    each, before anything is written: no hang, no node 0 resuming while node 1 starts fresh."""
+    run = tmp_path / "run"
+    base = [*COMMON, "--data", str(bn_data), "--batch-size", "4"]
+    train_dist(*base, "--out", str(run), "--stop-at", "2")
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    stale = tmp_path / "stale"  # node 1's own copy of the folder, whose checkpoint is not rank 0's
+    shutil.copytree(run, stale)
+    state = stale / "checkpoints" / ckpt.step_dir_name(2) / ckpt.STATE_FILE
+    state.write_text(json.dumps({**json.loads(state.read_text()), "elapsed_s": 12345.0}))
+    for other, sees in ((tmp_path / "local", "no checkpoint"), (stale, "checkpoint step 2")):
+        t0 = time.monotonic()
+        node0, node1 = torchrun_nodes(REPO / "training" / "train.py",
+                                      [[*base, "--out", str(run)], [*base, "--out", str(other)]])
+        assert node0.returncode != 0 and node1.returncode != 0
+        for node in (node0, node1):
+            errors = [x for x in node.stderr.splitlines() if x.startswith("error:")]
+            assert len(errors) == 1 and "rank(s) [1] do not see the run folder rank 0 sees" in errors[0], node.stderr[-3000:]
+            assert "(rank 0: checkpoint step 2 (state.json sha256" in errors[0]
+        assert f"this rank (rank 1) sees {sees}" in node1.stderr
+        assert time.monotonic() - t0 < TORCHRUN_TIMEOUT_S / 2  # an error, not a collective's timeout
+        assert "resumed from" not in node0.stdout
+        after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        assert after == before  # nothing written, nothing removed
+    assert not (tmp_path / "local").exists()
+
+
+def test_fsdp2_in_bf16_gathers_bf16_and_passes_the_gates(bn_data: Path, tmp_path: Path) -> None:
+    """--dtype bf16 under FSDP2: MixedPrecisionPolicy (bf16 parameters for the all-gather and compute,
+    fp32 gradient reduction); the trained object then differs from the fp32-weight reference by bf16
+    rounding, which compiled_vs_eager's measured bf16 tolerance must accept, and the overfit gate
+    steps the sharded model itself (no unsharded copy)."""
+    from training.gates.model import TOLERANCE
+
+    out = tmp_path / "bf16"
+    p = train_dist(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4", "--fsdp", "--dtype",
+                   "bf16", "--max-steps", "2", check=False)
+    if p.returncode != 0 and (why := _gloo_unsupported(p.stderr)):
+        pytest.skip(f"FSDP2 on CPU: this torch's gloo backend lacks a collective: {why}")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "bf16 all-gathers and compute, fp32 gradient reduction" in p.stdout
+    gates = {r["name"]: r for r in json.loads((out / "gates.json").read_text())["results"]}
+    cmp = gates["compiled_vs_eager"]
+    assert cmp["passed"] and "FSDP2" in cmp["detail"], cmp
+    assert 0 < cmp["value"] <= TOLERANCE["bf16"][1]  # bf16 parameters do differ from the fp32 reference
+    assert gates["overfit_one_batch"]["passed"], gates["overfit_one_batch"]
+    assert all(math.isfinite(r["loss"]) for r in steps(out) if "loss" in r)
+
+
+def test_resume_reads_the_checkpoint_on_rank_0_only(bn_data: Path, tmp_path: Path) -> None:
+    """Under FSDP2 a resume must not need the full state in every rank's memory: rank 0 reads the
+    checkpoint and broadcasts it one tensor at a time; any other rank reading a whole tensor file
+    fails the run (the fixture makes it raise)."""
+    out = tmp_path / "run"
+    args = [*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4", "--fsdp", "--max-steps", "4"]
+    p = train_dist(*args, "--stop-at", "2", check=False)
+    if p.returncode != 0 and (why := _gloo_unsupported(p.stderr)):
+        pytest.skip(f"FSDP2 on CPU: this torch's gloo backend lacks a collective: {why}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = torchrun(REPO / "tests" / "fixtures_distributed.py", "rank0_reads", *args)
+    assert "resumed from" in p.stdout and "read a whole tensor file" not in p.stderr
+    assert [r["step"] for r in steps(out) if "loss" in r] == [1, 2, 3, 4]
+    assert ckpt.load(out).state["step"] == 4

@@ -88,3 +88,35 @@ def test_dry_run_on_cpu_writes_every_phase(tmp_path: Path, capsys) -> None:
     assert r["flops_per_token"] > r["flops_per_token_6ltd"] > 0
     assert r["eager_tokens_per_s"] > 0 and r["eager_mfu"] is None  # measured for real; no MFU on CPU
     assert "compile_speedup" not in r  # nothing compiled ran to compare
+    # each SDPA backend forced and timed: CPU has math (and its flash kernel), never cuDNN
+    assert r["sdpa_fwd_bwd_ms"]["math"] > 0 and r["sdpa_fwd_bwd_ms"]["cudnn_attention"].startswith("unavailable")
+    assert r["sdpa_fastest"] in r["sdpa_fwd_bwd_ms"]
+    # peak memory: no CUDA counter here, but the plan's estimate for the model that ran
+    assert r["peak_mem_gb"] is None and r["eager_peak_mem_gb"] is None and r["peak_mem_estimate_gb"] > 0
+    assert r["gates"] == [] and r["train_timeout_s"] > 0
+
+
+def test_a_phase_that_no_longer_fits_the_budget_is_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    gv.main(["--device", "cpu", "--preset", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "2",
+             "--no-compile", "--data", str(tmp_path / "no-data"), "--out", str(out), "--budget-s", "1"])
+    data = read(out)
+    assert data["complete"] is True and data["results"]["train_timeout_s"] == 1
+    assert data["phases"][-1] == {"name": "eager", "status": "skipped: over the --budget-s", "wall_s": 0.0}
+
+
+def test_dry_run_on_cpu_trains_and_reports_the_gates(bn_data: Path, tmp_path: Path) -> None:
+    """A real (tiny, CPU) train.py run with every pre-flight gate: the measure phase reads its log and
+    gates.json, so each gate's value stands next to its threshold (compiled_vs_eager: the errors
+    against the tolerances)."""
+    out = tmp_path / "out"
+    rc = gv.main(["--device", "cpu", "--preset", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "10",
+                  "--no-compile", "--data", str(bn_data), "--out", str(out)])
+    data = read(out)
+    assert rc == 0, data
+    r = data["results"]
+    assert r["train_exit_code"] == 0 and r["steps_logged"] == 10 and r["tokens_per_s"] > 0
+    gates = {g["name"]: g for g in r["gates"]}
+    assert gates["compiled_vs_eager"]["passed"] is True
+    assert gates["compiled_vs_eager"]["threshold"].startswith("rel. L2 error <=")
+    assert 0 <= gates["compiled_vs_eager"]["value"] < 1

@@ -63,7 +63,7 @@ HELDOUT_PATH = str(Path(__file__).resolve().parents[1] / "training" / "assets" /
 
 CLIS: dict[str, CLI] = {
     "train": CLI("training.train", ("--data", MISSING, "--out", MISSING + "-out", "--max-steps", "1"),
-                 frozenset({"--config", "--data", "--init"}), TRAIN_NAMES, TRAIN_FREE, OUT,
+                 frozenset({"--config", "--data", "--init"}), TRAIN_NAMES | {"--gpu"}, TRAIN_FREE, OUT,
                  ("--data", "{data}", "--out", "{tmp}/out", *TINY)),
     "sft": CLI("training.sft", ("--data", MISSING, "--init", MISSING, "--out", MISSING + "-out", "--max-steps", "1"),
                frozenset({"--config", "--data", "--init"}), TRAIN_NAMES, TRAIN_FREE, OUT,

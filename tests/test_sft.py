@@ -427,6 +427,10 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
     # is weak: since the shipped corpus grew (267 KB) most of its answers are empty (it ends the turn at
     # once) or run on; the check is that it ends turns with <|im_end|>, writes text, and never leaks a
     # turn marker: what a broken template or stop token would break.
+    # On this machine every greedy answer of the shipped run was empty (the same test passed in CI), so
+    # whether it writes text is asked with the end of turn forbidden: the answer must then be text,
+    # still without a turn marker.
+    end_of_turn = {str(ck_sft.tokenizer.im_end_id): -100.0, str(ck_sft.tokenizer.eos_id): -100.0}
     stopped, wrote = [], []
     for line in data.read_text(encoding="utf-8").splitlines()[-n_test:]:
         held_out = json.loads(line)["messages"]
@@ -435,9 +439,12 @@ def test_sft_beats_pre_sft_on_held_out_assistant_tokens_and_answers_through_gguf
         msg = res["choices"][0]["message"]
         assert msg["role"] == "assistant" and "<|im_start|>" not in msg["content"], res
         stopped.append(res["choices"][0]["finish_reason"] == "stop")
-        wrote.append(bool(msg["content"].strip()))
+        forced = llm.create_chat_completion(messages=ask, max_tokens=24, temperature=0.0, logit_bias=end_of_turn)
+        text = forced["choices"][0]["message"]["content"]
+        assert "<|im_start|>" not in text and "<|im_end|>" not in text, forced
+        wrote.append(bool(text.strip()))
     assert any(stopped), "no held-out answer ended its turn (<|im_end|>)"
-    assert any(wrote), "every held-out answer was empty"
+    assert all(wrote), "an answer was empty even with the end of turn forbidden"
 
 
 def test_cli_errors_are_one_line(pretrained, tmp_path, capsys):

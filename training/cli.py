@@ -1,5 +1,6 @@
 """How every prodip command ends: a clear one-line error and exit 2 on bad input, no traceback
-unless --debug; 130 on Ctrl-C. Shared by train, sft, prepare, evaluate, export, serving and demo."""
+unless --debug; 130 on Ctrl-C; 3 (EXIT_PREEMPTED) for a training run stopped by SIGTERM/SIGUSR1 on a
+checkpoint (training.preempt). Shared by train, sft, prepare, evaluate, export, serving and demo."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+# a run stopped by a preemption signal once its checkpoint was written (training.preempt): requeue it
+EXIT_PREEMPTED = 3
+
+
+class Preempted(Exception):  # noqa: N818 (a request that was honoured, not a failure)
+    """Raised by training.preempt's caller once the checkpoint is on disk; `guarded` prints its message
+    (empty on ranks other than 0, so torchrun's output holds the line once) and exits EXIT_PREEMPTED."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -40,6 +48,10 @@ def guarded(fn: Callable[[], int | None], *, debug: bool = False,
     """Run `fn`; turn the expected failures into `error: <first line>` (+ detail lines) on stderr."""
     try:
         rc = fn()
+    except Preempted as e:  # the checkpoint is on disk: one line (rank 0's), and a status a scheduler can requeue on
+        if str(e):
+            print(str(e), file=sys.stderr)
+        return EXIT_PREEMPTED
     except errors as e:
         if debug:
             raise

@@ -108,12 +108,14 @@ class TrainConfig:
     dtype: Dtype = "auto"
     compile: bool = False
     fsdp: bool = False
+    fsdp_reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     seed: Seed = 1337
     eval_every: Count = 100
     eval_batches: Size = 8
     save_every: Count = 200
     keep_last: Count = 3
+    async_checkpoints: bool = True
     log_every: Every = 10
     gpu_hourly_usd: NonNegFloat = 0.0
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -127,6 +129,7 @@ class TrainConfig:
     reset_optimizer: bool = False
     early_stop_patience: NonNegInt = 0
     log_to: Literal["", "tensorboard"] = ""
+    fused_optimizer: Literal["auto", "on", "off"] = "auto"
     model: dict[str, Any] = field(default_factory=dict)  # overrides of the preset's ModelConfig
 
     def __post_init__(self) -> None:
@@ -180,12 +183,17 @@ HELP: dict[str, str] = {
     "dtype": "auto: bf16 autocast on CUDA, fp32 elsewhere",
     "compile": "torch.compile the model",
     "fsdp": "FSDP2 under torchrun (else DDP)",
+    "fsdp_reshard_after_forward": "FSDP2: free each block's gathered weights after its forward (least memory); "
+                                  "--no-fsdp-reshard-after-forward keeps them for the backward (one all-gather "
+                                  "per block and micro-batch less, one more bf16 copy of the weights per GPU)",
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
     "seed": "random seed, in [0, 2^63)",
     "eval_every": "validate every N steps (0: never)",
-    "eval_batches": "validation batches per evaluation",
+    "eval_batches": "validation micro-batches (--batch-size rows per process) per evaluation, whatever --grad-accum",
     "save_every": "checkpoint every N steps (0: only at the end)",
     "keep_last": "keep the newest N checkpoints (0: all)",
+    "async_checkpoints": "write checkpoints on a background thread while training goes on (--no-async-checkpoints: "
+                         "in the loop, for debugging)",
     "log_every": "print a progress line every N steps",
     "gpu_hourly_usd": "GPU price per hour, for the cost estimate (0: off)",
     "on_nonfinite": "a non-finite loss or gradient: stop, or skip that step",
@@ -200,6 +208,8 @@ HELP: dict[str, str] = {
                        "optimizer (recorded in log.jsonl); without it such a resume is refused",
     "early_stop_patience": "stop after N evaluations without a new best validation loss (0: off)",
     "log_to": "live logging as well as log.jsonl: '' (none) or tensorboard",
+    "fused_optimizer": "fused AdamW, which skips a non-finite step on the device so loss and grad norm are read "
+                       "only at --log-every: auto (on CUDA), on, off (host checks every step)",
     "model": "overrides of the preset's model shape: the [model] table, or --set KEY=VALUE",
 }
 

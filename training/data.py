@@ -362,16 +362,53 @@ class TrainingData:
 class WindowValidation:
     """The validation split's windows, in order, the same ones at every evaluation."""
 
-    def __init__(self, loader: WindowLoader, batch_size: int, grad_accum: int):
-        self.loader, self.batch_size, self.grad_accum = loader, batch_size, grad_accum
+    def __init__(self, loader: WindowLoader, batch_size: int):
+        self.loader, self.batch_size = loader, batch_size
 
     def __call__(self, n: int) -> list[Batch]:
-        # n global batches (batch_size x grad_accum x world rows) in micro-batches, each rank its
-        # share: the same windows and val_loss however a global batch is split
+        # n micro-batches (batch_size rows on each rank): an evaluation costs the same whatever
+        # --grad-accum is, and sees the same windows at every world size with the same batch_size x world
         v, world = self.loader, self.loader.world_size
         v.consumed = 0
-        k = min(n * self.grad_accum, max(1, v.n_windows // (self.batch_size * world)))
+        k = min(n, max(1, v.n_windows // (self.batch_size * world)))
         return [v.next_batch(min(self.batch_size, v.n_windows // world)) for _ in range(k)]
+
+
+class Prefetcher:
+    """A Loader whose next micro-batch is drawn one call ahead and handed to `to_device` at once (a
+    pinned, non-blocking copy on CUDA): the host builds and queues it while the device still runs the
+    micro-batch before, and never waits for a copy. Its position
+    (`state_dict`) is that of the batches handed out: the one drawn ahead is not consumed, so a
+    checkpoint resumes exactly. Other attributes are the wrapped loader's."""
+
+    def __init__(self, loader: Loader, to_device: Callable[[Batch], Batch]):
+        self.loader, self.to_device = loader, to_device
+        self.ahead: tuple[int, Batch, dict] | None = None  # (batch_size, batch, the position before it)
+
+    def next_batch(self, batch_size: int) -> Batch:
+        if self.ahead is not None and self.ahead[0] == batch_size:
+            batch = self.ahead[1]
+        else:  # first call, or another batch size: drop what was drawn ahead
+            self.drop_ahead()
+            batch = self.to_device(self.loader.next_batch(batch_size))
+        before = self.loader.state_dict()
+        self.ahead = (batch_size, self.to_device(self.loader.next_batch(batch_size)), before)
+        return batch
+
+    def drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.loader.load_state_dict(self.ahead[2])
+            self.ahead = None
+
+    def state_dict(self) -> dict:
+        return self.ahead[2] if self.ahead is not None else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ahead = None
+        self.loader.load_state_dict(state)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
 
 
 def pretraining_data(cfg: TrainConfig, d: Dist) -> TrainingData:
@@ -389,7 +426,7 @@ def pretraining_data(cfg: TrainConfig, d: Dist) -> TrainingData:
         vstream = TokenStream(data, val_split, vocab_size=tok.vocab_size, tokenizer_sha256=tok.sha256)
         if (vstream.n_tokens - 1) // cfg.seq_len >= d.world_size:  # every rank needs a window
             vloader = WindowLoader(vstream, cfg.seq_len, seed=0, shuffle=False, rank=d.rank, world_size=d.world_size)
-            val = WindowValidation(vloader, cfg.batch_size, cfg.grad_accum)
+            val = WindowValidation(vloader, cfg.batch_size)
             vs = meta["splits"].get(val_split, {})
             if isinstance(vs.get("n_bytes"), int | float) and isinstance(vs.get("n_tokens"), int) and vs["n_tokens"] > 0:
                 bpt = vs["n_bytes"] / vs["n_tokens"]

@@ -1,14 +1,24 @@
-"""torchrun integration: process group, DDP/FSDP2 wrapping, full (unsharded) state dicts.
+"""torchrun integration: process group, DDP/FSDP2/HSDP wrapping, full (unsharded) state dicts,
+and the one resume decision every rank shares.
 
 Single process when torchrun's WORLD_SIZE is absent or 1. Under torchrun (one process per GPU,
 or per CPU worker with the gloo backend) the model is wrapped in DDP by default, or sharded with
-FSDP2 (`fully_shard` per transformer block, then the root) with `--fsdp`. Checkpoints always hold the
-full model and optimizer state keyed by parameter name (torch.distributed.checkpoint's state-dict
-API), so a run saved under DDP or FSDP2 resumes under any world size and the single-process
-exporter reads it.
+FSDP2 (`fully_shard` per transformer block, then the root) with `--fsdp`: on one node a flat mesh,
+on several (LOCAL_WORLD_SIZE < WORLD_SIZE) an HSDP 2-D mesh that shards within a node (NVLink) and
+replicates across nodes (the slower network carries only one gradient all-reduce per step).
+Checkpoints always hold the full model and optimizer state keyed by parameter name
+(torch.distributed.checkpoint's state-dict API), so a run saved under DDP or FSDP2 resumes under any
+world size and the single-process exporter reads it; on resume rank 0 alone reads them and
+broadcasts one tensor at a time (`load_full_state`), so no other rank holds the full state in RAM.
+
+Where to resume from is rank 0's decision (`agree_on_view`): each rank reads the run folder, rank 0
+broadcasts what it found (the checkpoint's step and a fingerprint of its state.json), and a rank
+that sees another folder (a node without the shared file system) stops every rank with one line,
+instead of node 0 resuming while the others start fresh into mismatched collectives.
 
 Collectives: every function here that gathers (`full_model_state`, `full_optimizer_state`,
-`load_full_state`, `Dist.mean/any/ranks_where`) must be called by every rank in the same order.
+`load_full_state`, `agree_on_view`, `Dist.mean/any/ranks_where/raise_if_any`) must be called by
+every rank in the same order.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 0  # ranks on this node (torchrun's LOCAL_WORLD_SIZE); 0: all of them
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +84,71 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return [r for r in range(self.world_size) if t[r].item() > 0]
 
+    def raise_if_any(self, error: BaseException | None, device: torch.device, what: str) -> None:
+        """Raise on every rank when any rank met an error: its own there, a pointer to it elsewhere.
+        Call it after per-rank work that may fail and before the next collective (a rank that raised
+        alone would leave the others waiting in that collective until the timeout)."""
+        failed = self.ranks_where(error is not None, device)
+        if error is not None:
+            raise error
+        if failed:
+            raise DistError(f"rank(s) {failed} failed while {what}; see their error")
+
+    def broadcast_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """Rank 0's `values` on every rank (every rank passes a list of the same length)."""
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0)
+        return [int(v) for v in t.tolist()]
+
+
+class DistError(RuntimeError):
+    """Ranks disagree (another rank failed, or sees another run folder): every rank raises it."""
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What one rank found in the run folder: where it would resume from, and how."""
+
+    step: int = -1  # the checkpoint's step; -1: none (a fresh start)
+    fingerprint: str = ""  # sha256 (hex) of that checkpoint's state.json
+    start_over: bool = False  # --force over a run with another model config
+    stopped: bool = False  # early-stopped before: nothing to do
+
+    def encode(self) -> list[int]:
+        sha = bytes.fromhex(self.fingerprint) if self.fingerprint else bytes(FINGERPRINT_BYTES)
+        return [self.step, int(self.start_over), int(self.stopped), *sha]
+
+    @classmethod
+    def decode(cls, v: list[int]) -> RunView:
+        step, start_over, stopped, sha = v[0], bool(v[1]), bool(v[2]), bytes(v[3:])
+        return cls(step, sha.hex() if step >= 0 else "", start_over, stopped)
+
+    def describe(self) -> str:
+        if self.step < 0:
+            return "no checkpoint (a fresh start)" + (" over another run (--force)" if self.start_over else "")
+        return f"checkpoint step {self.step} (state.json sha256 {self.fingerprint[:12]})"
+
+
+FINGERPRINT_BYTES = 32  # sha256
+
+
+def agree_on_view(d: Dist, mine: RunView, device: torch.device, where: str) -> RunView:
+    """Rank 0's view of the run folder, which every rank must share; DistError on every rank if not.
+
+    Only rank 0 writes the run folder, so every rank must see rank 0's files: a rank with no
+    checkpoint (or another one) while rank 0 resumes is a node without the shared file system."""
+    if not d.enabled:
+        return mine
+    ref = RunView.decode(d.broadcast_ints(mine.encode(), device))
+    differ = d.ranks_where(mine != ref, device)
+    if differ:
+        own = f"; this rank (rank {d.rank}) sees {mine.describe()}" if mine != ref else ""
+        raise DistError(f"rank(s) {differ} do not see the run folder rank 0 sees at {where} (rank 0: "
+                        f"{ref.describe()}){own}: every node must see the same --out (a shared file system)")
+    return ref
+
 
 def setup(device_kind: str) -> Dist:
     """Join torchrun's process group (NCCL on CUDA, gloo on CPU); a no-op outside torchrun."""
@@ -80,6 +156,7 @@ def setup(device_kind: str) -> Dist:
     if world <= 1:
         return Dist()
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device_kind == "cuda":
         torch.cuda.set_device(local)
         # device_id binds the NCCL communicator to this GPU eagerly (no guessing from the rank)
@@ -87,7 +164,7 @@ def setup(device_kind: str) -> Dist:
                                 device_id=torch.device("cuda", local))
     else:
         dist.init_process_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    return Dist(rank, local, world)
+    return Dist(rank, local, world, local_world)
 
 
 def teardown(d: Dist) -> None:
@@ -95,30 +172,74 @@ def teardown(d: Dist) -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, d: Dist, *, fsdp: bool, device: torch.device) -> nn.Module:
+def mesh_shape(world_size: int, local_world_size: int) -> tuple[int, ...]:
+    """FSDP2's device-mesh shape: (world,) on one node; (nodes, ranks per node) on several (HSDP:
+    replicate across nodes, shard within one). Uneven nodes (torchrun never makes them) stay flat."""
+    local = local_world_size or world_size
+    if local >= world_size or world_size % local:
+        return (world_size,)
+    return (world_size // local, local)
+
+
+def device_mesh(d: Dist, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(d.world_size, d.local_world_size)
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def wrap(model: nn.Module, d: Dist, *, fsdp: bool, device: torch.device, param_dtype: torch.dtype | None = None,
+         reshard_after_forward: bool = True) -> nn.Module:
     """DDP (default) or FSDP2 (`fully_shard` per block, then the root) under torchrun.
 
     FSDP2 shards the parameters in place: the returned object *is* `model`, whose parameters are
     now DTensors (`p.full_tensor()` gathers one; a collective). DDP returns a wrapper whose
     `.module` is `model`, with ordinary parameters.
+
+    `param_dtype` (bf16 when the run computes in bf16): FSDP2 all-gathers and computes with
+    parameters in that dtype, halving the all-gather traffic, and reduce-scatters gradients in fp32
+    (summing bf16 gradients over many ranks loses bits); the sharded master weights and the
+    optimizer stay fp32. `reshard_after_forward`: see the comment below.
     """
     if not d.enabled:
         return model
     if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # Blocks return their (k, v) for the KV cache next to the hidden state; training never
         # touches them in place, so FSDP2's warning about returning views does not apply.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        mesh = init_device_mesh(device.type, (d.world_size,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # the root: embeddings (tied to the head) and the final norm
+        mesh = device_mesh(d, device.type)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+        kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+        last = len(model.layers) - 1
+        for i, layer in enumerate(model.layers):
+            # True (ZeRO-3): a block's gathered parameters are freed after its forward and gathered
+            # again for its backward: least memory, one more all-gather per block per micro-batch
+            # (with --grad-accum N, N of them; they overlap with compute, and under HSDP they stay
+            # inside a node). False keeps them until the backward (ZeRO-2 memory, for a model that
+            # fits). The last block is never resharded: its backward starts right after the forward,
+            # so freeing its parameters would only gather them again at once (torchtitan does the same).
+            fully_shard(layer, reshard_after_forward=reshard_after_forward and i < last, **kw)
+        # the root (embeddings, tied to the head, and the final norm): FSDP2 keeps a root's parameters
+        # gathered after the forward anyway, the head's backward needs them first
+        fully_shard(model, reshard_after_forward=False, **kw)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def reshard(model: nn.Module) -> None:
+    """FSDP2: free the parameters a forward left gathered (the root, and a block with
+    reshard_after_forward=False, keep them until their backward), so that `parameters()` are this
+    rank's shards again; a no-op for any other model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def grad_sync(model: nn.Module, d: Dist, *, fsdp: bool, last_micro: bool):
@@ -151,10 +272,15 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, 
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict,
-                    optim_sd: dict | None) -> None:
-    """Load full (unsharded) weights and optimizer state on every rank; FSDP2 keeps its shard of each.
+                    optim_sd: dict | None, *, from_rank0: bool = False) -> None:
+    """Load full (unsharded) weights and optimizer state; FSDP2 keeps its shard of each.
 
+    `from_rank0` (under torchrun): only rank 0 passes the state (the others pass {} and None/{}); it
+    is broadcast one tensor at a time, so no other rank ever holds the full state in host memory.
     `weights` may lack the tied output head (the checkpoint stores it once, as tok_embeddings)."""
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-    if optimizer is not None and optim_sd:
-        set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+    bcast = from_rank0 and dist.is_available() and dist.is_initialized()
+    opts = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=bcast)
+    set_model_state_dict(model, weights, options=opts)
+    if optimizer is not None and (optim_sd or bcast):
+        set_optimizer_state_dict(model, optimizer, optim_sd or {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast))

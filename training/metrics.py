@@ -80,11 +80,17 @@ def _words(name: str) -> set[str]:
     return set(re.findall(r"[A-Z0-9]+", name.upper()))
 
 
+def lookup_by_name(name: str, table: Mapping[str, float]) -> float | None:
+    """table's value for a device named like torch.cuda.get_device_name(): the key whose words the name
+    holds, the most specific (most words) first; None when no key matches."""
+    words = _words(name)
+    matches = [k for k in table if _words(k) <= words]
+    return table[max(matches, key=lambda k: len(_words(k)))] if matches else None
+
+
 def peak_flops_for_name(name: str) -> float | None:
     """The dense bf16 peak of a GPU named like torch.cuda.get_device_name(); None when not in the table."""
-    words = _words(name)
-    matches = [k for k in PEAK_BF16_FLOPS if _words(k) <= words]
-    return PEAK_BF16_FLOPS[max(matches, key=lambda k: len(_words(k)))] if matches else None
+    return lookup_by_name(name, PEAK_BF16_FLOPS)
 
 
 def peak_flops(device: torch.device) -> tuple[float | None, str]:

@@ -277,10 +277,13 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,
-                reduction: str = "mean"):
+                reduction: str = "mean", return_logits: bool | None = None):
         """Training/eval path over full causal windows. Returns logits, or (logits, loss) with targets.
 
         `loss_mask` (same shape as targets, 0/1) restricts the loss to chosen positions (SFT).
+        With targets, logits are returned only when asked (`return_logits`; default: in eval mode):
+        a training step needs the loss alone, which `chunked_cross_entropy` computes a few rows of
+        logits at a time, never holding the whole batch's (B*T x vocab) logits in fp32.
         """
         T = idx.shape[1]
         pos = torch.arange(T, device=idx.device)
@@ -291,11 +294,15 @@ class Transformer(nn.Module):
                 x, _ = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x, _ = layer(x, cos, sin)
-        logits = self.output(self.norm(x))
+        h = self.norm(x)
         if targets is None:
-            return logits
-        loss = token_loss(logits, targets, loss_mask, reduction)
-        return logits, loss
+            return self.output(h)
+        if return_logits is None:
+            return_logits = not self.training
+        if return_logits or reduction == "none":  # per-token losses: the reference path
+            logits = self.output(h)
+            return (logits if return_logits else None), token_loss(logits, targets, loss_mask, reduction)
+        return None, chunked_cross_entropy(h, self.output.weight, targets, loss_mask, reduction)
 
     def forward_with_cache(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values: list | None,
                            attention_mask: torch.Tensor | None = None):
@@ -333,6 +340,70 @@ def token_loss(logits, targets, loss_mask=None, reduction: str = "mean"):
         return flat.sum()
     denom = loss_mask.sum().clamp_min(1) if loss_mask is not None else torch.tensor(flat.numel(), device=flat.device)
     return flat.sum() / denom
+
+
+# The chunked loss computes at most this many bytes of fp32 logits at once: 2048 rows of a 32 k vocab
+# (large enough that each chunk's GEMM runs at full speed on a GPU).
+CE_CHUNK_BYTES = 2**28
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          loss_mask: torch.Tensor | None = None, reduction: str = "mean",
+                          chunk_rows: int | None = None) -> torch.Tensor:
+    """token_loss(h @ weight.T, targets, loss_mask, reduction) for reduction 'mean' or 'sum', computed
+    `chunk_rows` rows at a time: each chunk's logits exist (in fp32) only while its loss and
+    gradients are computed, in the forward pass, so no (B*T x vocab) tensor is ever held."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"chunked_cross_entropy: reduction {reduction!r} (per-token losses need the logits)")
+    rows = chunk_rows or max(1, CE_CHUNK_BYTES // (4 * weight.shape[0]))
+    mask = None if loss_mask is None else loss_mask.reshape(-1)
+    if reduction == "sum":
+        denom = torch.ones((), device=h.device)
+    elif mask is not None:
+        denom = mask.sum().clamp_min(1)
+    else:
+        denom = torch.tensor(targets.numel(), device=h.device)
+    return _ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), mask, denom, rows)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """loss = sum_i(mask_i * CE(h_i @ W.T, t_i)) / denom. The gradients (a scalar loss: they only scale
+    in backward) are computed chunk by chunk in forward: d logits = (softmax - onehot) * mask / denom."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, mask, denom, rows: int):
+        # the dtype the head's matmul runs in: autocast's (bf16) when on, like nn.Linear's
+        dev = h.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+        hc, wc = h.to(dtype), weight.to(dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for i in range(0, h.shape[0], rows):
+            hi, ti = hc[i:i + rows], targets[i:i + rows]
+            logp = torch.log_softmax((hi @ wc.T).float(), dim=-1)  # this chunk's fp32 logits, and no more
+            ce[i:i + rows] = -logp.gather(1, ti[:, None]).squeeze(1)  # = F.cross_entropy(reduction="none")
+            if need_h or need_w:
+                g = logp.exp_()  # softmax, in place
+                g[torch.arange(len(ti), device=g.device), ti] -= 1
+                scale = 1 / denom if mask is None else mask[i:i + rows, None] / denom
+                g = (g * scale).to(dtype)
+                if need_h:
+                    grad_h[i:i + rows] = g @ wc
+                if need_w:
+                    grad_w += (g.T @ hi).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = weight.dtype
+        loss = ce if mask is None else ce * mask
+        return loss.sum() / denom
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.w_dtype)
+        return gh, gw, None, None, None, None
 
 
 def count_params(cfg: ModelConfig, *, non_embedding: bool = False) -> int:

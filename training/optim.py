@@ -17,14 +17,31 @@ Schedule = Callable[..., float]  # lr_at's signature: (step, *, max_lr, total, w
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms (1-D params). Fused kernel on CUDA."""
+    """AdamW; no weight decay on norms (1-D params). The fused kernel on CUDA (--fused-optimizer auto)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    extra = {"fused": True} if device.type == "cuda" else {}
+    extra = {"fused": True} if uses_fused(cfg, device) else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, **extra)
+
+
+def uses_fused(cfg: TrainConfig, device: torch.device) -> bool:
+    """Fused AdamW: on CUDA by default; elsewhere only when asked (on CPU it rounds differently from the
+    for-loop AdamW that CPU runs have always used)."""
+    return cfg.fused_optimizer == "on" or (cfg.fused_optimizer == "auto" and device.type == "cuda")
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """optimizer.step(), which the fused kernel turns into a no-op on the device when `found_inf` (a
+    0-d float tensor, 1.0 = skip) is set: parameters, moments and step counts stay untouched, and the
+    host never waits for the flag (the GradScaler mechanism, without a scaler)."""
+    optimizer.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def lr_for_step(cfg: TrainConfig, step: int, total_steps: int, schedule: Schedule = lr_at) -> float:

@@ -3,6 +3,11 @@
 Runs the same command again to resume from the newest complete checkpoint, exactly: the data
 position, optimizer moments, schedule and RNG states are restored, and log.jsonl continues as if the
 run had never stopped. Pre-flight gates (training.gates) must pass before step 1.
+
+`--plan` prints the run's size, memory per GPU, time and cost, and exits without allocating or writing
+anything (training.plan). A preset's grad_accum is its recipe's for one GPU: under torchrun on W GPUs
+each process accumulates 1/W of it, so the tokens per step stay the recipe's (a --grad-accum given
+by flag, --config or --set is per process, as written).
 """
 
 from __future__ import annotations
@@ -18,9 +23,17 @@ import os
 import sys
 
 from training.cli import ArgumentParser, run_main
-from training.config import TrainConfig, add_train_flags, config_from_args
+from training.config import (
+    ConfigError,
+    TrainConfig,
+    add_train_flags,
+    config_from_args,
+    given_keys,
+    preset_train,
+)
 from training.data import pretraining_data
 from training.model import Transformer
+from training.plan import add_plan_flags, per_gpu_grad_accum, plan, world_size
 from training.schedule import lr_at
 from training.schema import SchemaError
 from training.trainer import RESUME_HINT, USER_ERRORS, Trainer
@@ -29,7 +42,24 @@ from training.trainer import RESUME_HINT, USER_ERRORS, Trainer
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python training/train.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    return add_train_flags(p)
+    add_train_flags(p)
+    add_plan_flags(p)
+    return p
+
+
+PLAN_ONLY = ("gpu", "gpu_mem_gb", "gpus", "tokens_per_s", "mfu")  # flags that only mean something with --plan
+
+
+def resolve(args: argparse.Namespace, gpus: int) -> TrainConfig:
+    """The run's TrainConfig, with a preset's one-GPU grad_accum spread over `gpus` GPUs (module docstring)."""
+    cfg = config_from_args(args)
+    recipe = preset_train(cfg.preset).get("grad_accum")
+    if gpus > 1 and recipe and args.grad_accum is None and "grad_accum" not in given_keys(args):
+        cfg.grad_accum = per_gpu_grad_accum(recipe, gpus)
+        if os.environ.get("RANK", "0") == "0" and not args.plan:
+            print(f"grad_accum {cfg.grad_accum} per GPU: preset {cfg.preset}'s {recipe} (one GPU) over {gpus} GPUs "
+                  "(--grad-accum sets it)")
+    return cfg
 
 
 def train(cfg: TrainConfig, *, force: bool = False) -> dict:
@@ -42,7 +72,14 @@ def train(cfg: TrainConfig, *, force: bool = False) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     def go(args: argparse.Namespace) -> None:  # every flag, TOML key and --set value is checked first
-        train(config_from_args(args), force=args.force)
+        if not args.plan:
+            given = [f"--{k.replace('_', '-')}" for k in PLAN_ONLY if getattr(args, k) is not None]
+            if given:
+                raise ConfigError(f"{given[0]} only applies with --plan")
+            train(resolve(args, world_size()), force=args.force)
+            return
+        plan(resolve(args, args.gpus or world_size()), gpu=args.gpu, gpu_mem_gb=args.gpu_mem_gb, gpus=args.gpus,
+             tokens_per_s=args.tokens_per_s, mfu=args.mfu)
 
     return run_main(build_parser(), argv, go, errors=(*USER_ERRORS, SchemaError), interrupted_hint=RESUME_HINT)
 

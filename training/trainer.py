@@ -27,21 +27,24 @@ batches, asynchronous checkpoints, SIGTERM handling) replaces a method rather th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from training import checkpoint as ckpt
 from training import distributed as D
-from training import gates, layout, optim
+from training import gates, layout, optim, preempt
 from training.config import ConfigError, TrainConfig
-from training.data import Batch, DataError, TrainingData
+from training.data import Batch, DataError, Prefetcher, TrainingData
+from training.gates.runtime import first_nonfinite_index
 from training.metrics import StepLog, Throughput, flops_per_token, fmt_duration, mfu_flops, peak_flops
 from training.model import Transformer, count_params
 from training.schedule import lr_at
@@ -63,7 +66,7 @@ class TrainError(ValueError):
 
 # what a training CLI turns into one `error:` line and exit 2 (OSError: a full disk, a missing path)
 USER_ERRORS = (ConfigError, SchemaError, DataError, TokenizerError, ckpt.CheckpointError, gates.GateError,
-               layout.LayoutError, TrainError, OSError)
+               layout.LayoutError, TrainError, OSError, D.DistError)
 
 
 def pick_device(name: str, d: D.Dist) -> torch.device:
@@ -91,12 +94,19 @@ def _num(x: float) -> float | None:
 
 @dataclass
 class StepResult:
-    """One optimizer step before its update: what the runtime checks judge and the log records."""
+    """One optimizer step: what the runtime checks judge and the log records. `loss`, `grad_norm` (and
+    `first_bad`) are device tensors until `Trainer.read_records` reads them, then Python numbers."""
 
+    step: int
     lr: float
-    loss: float  # mean over micro-batches and ranks
-    grad_norm: float  # before clipping
+    loss: torch.Tensor | float  # mean over micro-batches and ranks
+    grad_norm: torch.Tensor | float  # before clipping
     position: dict  # the data position the step started from (for the non-finite diagnostic)
+    deferred: bool = False  # update applied on the device before the values were read (a non-finite one skipped)
+    nonfinite: torch.Tensor | None = None  # deferred: 1.0 when loss or norm is not finite (the device's skip flag)
+    first_bad: torch.Tensor | int | None = None  # deferred: index of the first non-finite gradient, -1 if none
+    fields: dict = field(default_factory=dict)  # the record's host fields, taken at the step (tokens, timing)
+    applied: bool | None = None  # did the update reach the weights: None until judged
     spike_z: float | None = None
 
 
@@ -124,6 +134,8 @@ class Trainer:
         self.best: dict = {"val_loss": None, "step": 0, "evals_since": 0}
         self.early_stopped: dict | None = None  # this session's early_stop record
         self.stopped_before: dict | None = None  # RUN_DIR/early_stop.json of an earlier session: nothing to do
+        self.writer = ckpt.CheckpointWriter(asynchronous=cfg.async_checkpoints)  # rank 0 alone writes with it
+        self.preemption: preempt.Preemption | None = None  # SIGTERM/SIGUSR1 handling, during train_loop
 
     def run(self) -> dict:
         """Run (or resume) training; returns a summary dict."""
@@ -139,6 +151,7 @@ class Trainer:
             self.train_loop()
             return self.summary()
         finally:
+            self.end_checkpointing()
             if self.log is not None:
                 self.log.close()
             D.teardown(self.dist)
@@ -157,18 +170,24 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        self.data = self.data_factory(cfg, d)
-        self.model_cfg = cfg.model_config(self.data.tokenizer.vocab_size)
-        if cfg.seq_len > self.model_cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {self.model_cfg.max_seq_len}")
-        if self.patience and not (self.data.val and cfg.eval_every):
-            raise ConfigError(f"--early-stop-patience {self.patience} needs validation: --eval-every > 0 and a "
-                              f"validation split in {cfg.data}")
-        if self.log_options():  # --log-to: its package is there (nothing is opened or written yet)
-            try:
-                open_tracker(self.log_options()["log_to"], self.out)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        error = None
+        try:  # per rank: a rank that fails here alone must not leave the others in the next collective
+            self.data = self.data_factory(cfg, d)
+            self.model_cfg = cfg.model_config(self.data.tokenizer.vocab_size)
+            if cfg.seq_len > self.model_cfg.max_seq_len:
+                raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len "
+                                  f"{self.model_cfg.max_seq_len}")
+            if self.patience and not (self.data.val and cfg.eval_every):
+                raise ConfigError(f"--early-stop-patience {self.patience} needs validation: --eval-every > 0 and a "
+                                  f"validation split in {cfg.data}")
+            if self.log_options():  # --log-to: its package is there (nothing is opened or written yet)
+                try:
+                    open_tracker(self.log_options()["log_to"], self.out)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+        except USER_ERRORS as e:
+            error = e
+        d.raise_if_any(error, self.device, f"reading --data {cfg.data}")
         resume_from = self.check_run_dir()
         if self.stopped_before is not None:
             return
@@ -177,7 +196,11 @@ class Trainer:
         self.total_steps = cfg.max_steps or math.ceil(cfg.max_tokens / self.tokens_per_step)
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.seq_len)
         self.peak_flops, gpu_name = peak_flops(self.device)
-        mode = "FSDP2" if cfg.fsdp and d.enabled else "DDP" if d.enabled else "single process"
+        mesh = D.mesh_shape(d.world_size, d.local_world_size)
+        mode = ("single process" if not d.enabled else "DDP" if not cfg.fsdp else "FSDP2" if len(mesh) == 1
+                else f"FSDP2 (HSDP {mesh[0]}x{mesh[1]}: replicated across nodes, sharded within one)")
+        if d.enabled and cfg.fsdp and self.fsdp_param_dtype is not None:
+            mode += ", bf16 all-gathers and compute, fp32 gradient reduction"
         self.say(f"prodip {self.kind}: {count_params(self.model_cfg) / 1e6:.1f} M params "
                  f"({count_params(self.model_cfg, non_embedding=True) / 1e6:.1f} M non-embedding), {d.world_size}x "
                  f"{gpu_name}, {self.tokens_per_step:,} tokens/step, {self.total_steps:,} steps, {mode}")
@@ -187,7 +210,25 @@ class Trainer:
         self.monitor = gates.RuntimeMonitor(cfg)
 
     def check_run_dir(self) -> Path | None:
-        """Check RUN_DIR against this run (reading only); returns the checkpoint to resume from (or None)."""
+        """Check RUN_DIR against this run (reading only); returns the checkpoint to resume from (or None).
+
+        Under torchrun every rank reads the folder, and rank 0's finding is the decision: every rank
+        must see the same checkpoint (step and sha256 of its state.json), or every rank stops with
+        one line (see distributed.agree_on_view); never a hang, never rank 0 resuming alone."""
+        d, error, latest = self.dist, None, None
+        try:
+            latest = self.read_run_dir()
+        except USER_ERRORS as e:
+            error = e
+        d.raise_if_any(error, self.device, f"reading the run folder {self.out}")
+        fingerprint = "" if latest is None else hashlib.sha256((latest / ckpt.STATE_FILE).read_bytes()).hexdigest()
+        mine = D.RunView(ckpt.step_of(latest) if latest is not None else -1, fingerprint, self.start_over,
+                         self.stopped_before is not None)
+        D.agree_on_view(d, mine, self.device, f"--out {self.out}")
+        return latest
+
+    def read_run_dir(self) -> Path | None:
+        """This rank's reading of RUN_DIR (check_run_dir's first half)."""
         out = self.out
         if out.exists() and not out.is_dir():
             raise TrainError(f"--out {out} is a file, not a run folder; use another --out")
@@ -285,10 +326,15 @@ class Trainer:
             self.say(f"initialized from {init.path}")
         self.model.activation_checkpointing = cfg.activation_checkpointing
         self.model.to(self.device)
-        self.wrapped = D.wrap(self.model, self.dist, fsdp=cfg.fsdp, device=self.device)
+        self.autocast = autocast_for(cfg, self.device)
+        with self.autocast():  # bf16 compute: FSDP2 gathers bf16 weights and reduces gradients in fp32
+            param_dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(
+                self.device.type) else None
+        self.fsdp_param_dtype = param_dtype
+        self.wrapped = D.wrap(self.model, self.dist, fsdp=cfg.fsdp, device=self.device, param_dtype=param_dtype,
+                              reshard_after_forward=cfg.fsdp_reshard_after_forward)
         self.optimizer = self.new_optimizer(self.wrapped)
         self.forward_model = torch.compile(self.wrapped) if cfg.compile else self.wrapped
-        self.autocast = autocast_for(cfg, self.device)
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def new_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -297,31 +343,34 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         """Load the checkpoint into the model, optimizer, data position, RNG and counters: exactly, or
-        CheckpointError naming the file and what is wrong. Nothing is written here."""
-        ck = ckpt.load(path)
-        state = ckpt.read_state(path, ckpt.RESUME_STATE_SCHEMA)
-        if ck.config.to_dict() != self.model_cfg.to_dict():
-            raise ckpt.CheckpointError(f"cannot resume {path}: its {ckpt.CONFIG_FILE} differs from the run's "
-                                       "model config")
-        ckpt.check_fits(self.model, ck.weights, path / ckpt.MODEL_FILE)
+        CheckpointError naming the file and what is wrong. Nothing is written here.
+
+        Under torchrun rank 0 alone reads and checks the tensors and broadcasts them one at a time
+        (D.load_full_state(from_rank0=True)): the other ranks read only state.json and the RNG state,
+        so no rank but rank 0 holds the full model and optimizer state in host memory."""
+        d = self.dist
         reset = self.cfg.reset_optimizer
-        optim_sd, rng, problem = None, {}, None
+        weights: dict = {}
+        optim_sd, rng, problem, error = None, {}, None, None
         try:
-            optim_tensors, rng = ck.optimizer_and_rng(strict=True)
-            groups = state.get("optimizer_param_groups")
-            if not isinstance(groups, list):
-                raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: no optimizer_param_groups")
-            ckpt.check_optimizer_fits(self.trainable, optim_tensors, rng, path / ckpt.OPTIM_FILE)
-            optim_sd = ckpt.unflatten_optimizer(optim_tensors, groups, None)
-        except ckpt.CheckpointError as e:
-            if not reset:
-                raise ckpt.CheckpointError(f"cannot resume {path} exactly: {e}; --reset-optimizer resumes it with "
-                                           "fresh optimizer moments (recorded in log.jsonl)") from None
-            problem, rng = str(e), {}
+            state = ckpt.read_state(path, ckpt.RESUME_STATE_SCHEMA)
+            if d.is_main:
+                weights, optim_sd, rng, problem = self.read_checkpoint(path, state)
+            else:
+                rng = self.read_rng(path)
+        except USER_ERRORS as e:
+            error = e
+        d.raise_if_any(error, self.device, f"reading {path}")
+        # rank 0's decisions: is there an optimizer state to load, and an RNG state to restore
+        load_optim, restore_rng = d.broadcast_ints([int(optim_sd is not None), int(bool(rng))], self.device)
         try:
-            D.load_full_state(self.wrapped, None if reset else self.optimizer, ck.weights, optim_sd)
+            D.load_full_state(self.wrapped, self.optimizer if load_optim else None, weights, optim_sd,
+                              from_rank0=d.enabled)
         except (KeyError, ValueError, RuntimeError) as e:
             raise ckpt.CheckpointError(f"cannot resume {path}: its optimizer state does not fit ({e})") from None
+        del weights, optim_sd
+        if not restore_rng:
+            rng = {}
         try:
             self.data.train.load_state_dict(state["data"])
         except (KeyError, TypeError) as e:
@@ -340,6 +389,46 @@ class Trainer:
                                  "reason": problem or "requested (--reset-optimizer)", "rng_restored": bool(rng)}
             self.say(f"warning: resuming {path} with fresh optimizer moments: {self.reset_record['reason']}")
         self.say(f"resumed from {path} (step {self.step}, {self.tokens:,} tokens)")
+
+    def read_checkpoint(self, path: Path, state: dict) -> tuple[dict, dict | None, dict, str | None]:
+        """Rank 0's read of a checkpoint to resume: (weights, optimizer state or None, RNG, why the
+        optimizer state is dropped under --reset-optimizer), every tensor checked against the model."""
+        ck = ckpt.load(path)
+        if ck.config.to_dict() != self.model_cfg.to_dict():
+            raise ckpt.CheckpointError(f"cannot resume {path}: its {ckpt.CONFIG_FILE} differs from the run's "
+                                       "model config")
+        ckpt.check_fits(self.model, ck.weights, path / ckpt.MODEL_FILE)
+        optim_sd, rng, problem = None, {}, None
+        try:
+            optim_tensors, rng = ck.optimizer_and_rng(strict=True)
+            groups = state.get("optimizer_param_groups")
+            if not isinstance(groups, list):
+                raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: no optimizer_param_groups")
+            ckpt.check_optimizer_fits(self.trainable, optim_tensors, rng, path / ckpt.OPTIM_FILE)
+            optim_sd = ckpt.unflatten_optimizer(optim_tensors, groups, None)
+        except ckpt.CheckpointError as e:
+            if not self.cfg.reset_optimizer:
+                raise ckpt.CheckpointError(f"cannot resume {path} exactly: {e}; --reset-optimizer resumes it with "
+                                           "fresh optimizer moments (recorded in log.jsonl)") from None
+            problem, rng = str(e), {}
+        if self.cfg.reset_optimizer:
+            optim_sd = None
+        return ck.weights, optim_sd, rng, problem
+
+    @staticmethod
+    def read_rng(path: Path) -> dict[str, torch.Tensor]:
+        """The RNG states alone from a checkpoint's optimizer file (the other ranks' share of a resume)."""
+        from safetensors import SafetensorError, safe_open
+
+        f = path / ckpt.OPTIM_FILE
+        if not f.is_file():
+            return {}
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                keys = [k for k in st.keys() if k.startswith(ckpt.RNG_PREFIX)]  # noqa: SIM118 (not a dict)
+                return {k[len(ckpt.RNG_PREFIX):]: st.get_tensor(k) for k in keys}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ckpt.CheckpointError(ckpt.unreadable_tensors(f, e)) from None
 
     # -------------------------------------------------------------------------------- preflight
     def preflight(self) -> None:
@@ -381,38 +470,100 @@ class Trainer:
         self.throughput.elapsed_before = self.elapsed_before
         self.throughput.update(self.tokens)
         start = self.step
+        self.preemption = preempt.Preemption(self.dist, self.device).install()
+        # one micro-batch drawn ahead, its copy to the device started while the step before computes
+        self.data.train = Prefetcher(self.data.train, self.to_device)
+        # fused AdamW skips a non-finite update on the device, so loss and grad norm wait on the device
+        # for the next read (log, eval, save, stop): one host sync per read, not per step
+        self.deferred = optim.uses_fused(cfg, self.device) and not (cfg.fsdp and self.dist.enabled)
+        self.pending: list[StepResult] = []  # steps not yet read, oldest first
+        self.current: dict | None = None  # the newest step's record, read but not yet written
         while self.step < self.total_steps:
+            if signum := self.preemption.poll():  # the same answer on every rank, at the same step
+                self.write_current(self.read_records())  # every step's record in log.jsonl before its checkpoint
+                self.stop_preempted(signum)
+            self.write_current(self.current)  # the step before's record, when no read completed it
             self.step += 1
             result = self.train_step()
-            if not self.runtime_checks(result):  # the batch's update is dropped; its tokens still count
-                self.tokens += self.tokens_per_step
-                continue
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.tokens += self.tokens_per_step
+            self.tokens += self.tokens_per_step  # a dropped batch's tokens still count
             self.throughput.update(self.tokens)
-            rec = self.record(result)
+            result.fields = self.step_fields()
+            self.pending.append(result)
+            if self.reads_now():  # a check needs this step's values before its update
+                self.read_records()
+                if result.applied:
+                    self.optimizer.step()
+            else:
+                result.deferred = True
+                optim.step_unless(self.optimizer, result.nonfinite)
+            self.optimizer.zero_grad(set_to_none=True)
+            last = self.step == self.total_steps
+            evaluate = bool(self.data.val and cfg.eval_every and (self.step % cfg.eval_every == 0 or last))
+            stopping = cfg.stop_at and self.step >= cfg.stop_at
+            if not (evaluate or stopping or last or self.step % cfg.log_every == 0 or self.step == start + 1
+                    or (cfg.save_every and self.step % cfg.save_every == 0)):
+                continue
+            rec = self.read_records()  # one host sync for every step since the last read
+            if rec is None:  # this step's update was dropped (non-finite or spike)
+                continue
             new_best = evaluated = False
-            if self.data.val and cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == self.total_steps):
+            if evaluate:
                 self.last_val = self.validate()
                 rec.update(self.last_val)
                 new_best, evaluated = self.track_best(self.last_val["val_loss"]), True
-            self.log.write(rec)
-            self.last_record = rec
+            self.write_current(rec)
             if self.step % cfg.log_every == 0 or self.step == self.total_steps or self.step == start + 1:
                 self.say(self.progress_line(rec))
             if evaluated and self.patience and self.best["evals_since"] >= self.patience:
+                self.finish_saves()  # the write in flight must land before the checkpoints after the best go
                 self.stop_early()
                 return
-            stopping = cfg.stop_at and self.step >= cfg.stop_at
             if ((cfg.save_every and self.step % cfg.save_every == 0) or self.step == self.total_steps or stopping
                     or (new_best and self.patience)):
                 self.save()
             if stopping:
                 self.say(f"stopping at step {self.step} (--stop-at); run the same command without it to continue")
                 break
+        self.write_current(self.read_records())
         if self.step > self.saved_step:  # the last step's batch was skipped (non-finite/spike): still end on a checkpoint
             self.save()
+
+    def reads_now(self) -> bool:
+        """Must this step's loss and grad norm be read before its update? Always without the device-side
+        skip; with it, only where a check needs them: --on-spike skip, the gradient-flow cadence."""
+        cfg = self.cfg
+        return (not self.deferred or cfg.on_spike == "skip"
+                or bool(cfg.grad_flow_every and self.step % cfg.grad_flow_every == 0))
+
+    def read_records(self) -> dict | None:
+        """Read the pending steps' values (one host sync for all of them), run their runtime checks in
+        step order and write their log.jsonl records; the current step's record is not written but
+        returned (also as `self.current`) for the loop to complete. None when its update was dropped."""
+        pending, self.pending = self.pending, []
+        todo = [r for r in pending if r.applied is None]
+        if todo:
+            cols = [torch.stack([r.loss.double(), r.grad_norm.double(),
+                                 (r.first_bad if r.first_bad is not None else torch.zeros((), device=r.loss.device)).double()])
+                    for r in todo]
+            for r, (loss, norm, first) in zip(todo, torch.stack(cols).tolist(), strict=True):
+                r.loss, r.grad_norm = loss, norm
+                r.first_bad = int(first) if r.first_bad is not None else None
+        for r in pending:
+            if r.applied is None:
+                r.applied = self.runtime_checks(r)
+            if not r.applied:
+                continue
+            if r.step == self.step:
+                self.current = self.record(r)
+            else:
+                self.write_current(self.record(r))
+        return self.current
+
+    def write_current(self, rec: dict | None) -> None:
+        if rec is not None:
+            self.log.write(rec)
+            self.last_record = rec
+        self.current = None
 
     # ------------------------------------------------------------------------------- early stop
     def track_best(self, val_loss: float) -> bool:
@@ -459,7 +610,8 @@ class Trainer:
         return {"step": rec["best_step"], "run_dir": str(self.out), "early_stop": rec}
 
     def train_step(self) -> StepResult:
-        """Forward/backward over grad_accum micro-batches; gradients accumulated, not yet applied."""
+        """Forward/backward over grad_accum micro-batches; gradients accumulated and clipped, not yet
+        applied. Loss and grad norm stay on the device (no host sync here)."""
         cfg, d = self.cfg, self.dist
         lr = optim.lr_for_step(cfg, self.step, self.total_steps, self.lr_schedule)
         optim.set_lr(self.optimizer, lr)
@@ -470,30 +622,44 @@ class Trainer:
             sync = D.grad_sync(self.wrapped, d, fsdp=cfg.fsdp, last_micro=micro == cfg.grad_accum - 1)
             with sync:  # entered once: DDP's no_sync() cannot be re-entered
                 with self.autocast():
-                    _, loss = self.forward_model(x, y, loss_mask=mask)
+                    _, loss = self.forward_model(x, y, loss_mask=mask)  # the loss alone: no logits
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach()
-        loss_val = d.mean(loss_sum / cfg.grad_accum).item()
+        loss = d.mean(loss_sum / cfg.grad_accum)
         # a non-finite norm leaves the gradients as they are, for the diagnostic to name the parameter
         norm = gates.clip_grad_norm_finite(self.wrapped.parameters(), cfg.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        return StepResult(lr, loss_val, grad_norm, position)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        r = StepResult(self.step, lr, loss, norm, position)
+        if not self.reads_now():  # what the device-side skip and a later diagnostic need
+            r.nonfinite = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
+            r.first_bad = first_nonfinite_index(self.trainable)
+        return r
 
     def to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        x, y = batch[0].to(self.device), batch[1].to(self.device)
-        return x, y, batch[2].to(self.device) if len(batch) > 2 else None
+        """A host batch on the device: through pinned memory without blocking on CUDA (the host goes on
+        queueing work while it copies); tensors already there pass through."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if self.device.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(self.device, non_blocking=True)
+            return t.to(self.device)
+
+        mask = batch[2] if len(batch) > 2 else None
+        return move(batch[0]), move(batch[1]), None if mask is None else move(mask)
 
     # ------------------------------------------------------------------------------ runtime checks
     def runtime_checks(self, r: StepResult) -> bool:
-        """The runtime gates, before the update: False drops this step's update (--on-nonfinite skip,
-        --on-spike skip); a failure that must stop the run raises GateError with the weights untouched."""
-        cfg, d, step = self.cfg, self.dist, self.step
-        if d.any(not (math.isfinite(r.loss) and math.isfinite(r.grad_norm)), self.device):
-            diag = self.monitor.nonfinite_diagnostic(step, r.loss, r.grad_norm, self.trainable, r.position)
+        """The runtime gates on a step's read values: False drops its update (--on-nonfinite skip,
+        --on-spike skip; a deferred step's non-finite update was already skipped on the device); a failure
+        that must stop the run raises GateError, no non-finite update having reached the weights."""
+        cfg, d, step = self.cfg, self.dist, r.step
+        bad = not (math.isfinite(r.loss) and math.isfinite(r.grad_norm))
+        # deferred: loss and norm are already the same on every rank (reduced), as was the device's decision
+        if bad if r.deferred else d.any(bad, self.device):
+            diag = self.monitor.nonfinite_diagnostic(step, r.loss, r.grad_norm, self.trainable, r.position,
+                                                     first_index=r.first_bad if r.deferred else None)
             if d.is_main:
                 (self.out / layout.NONFINITE).write_text(json.dumps(diag, indent=2))
                 self.log.write({"event": "nonfinite", **diag})
-            self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_skips += 1
             if cfg.on_nonfinite == "skip" and self.nonfinite_skips <= cfg.max_nonfinite_skips:
                 self.say(f"warning: step {step}: non-finite loss/grad ({diag['detail']}); batch skipped "
@@ -501,13 +667,12 @@ class Trainer:
                 return False
             raise gates.GateError(f"step {step}: non-finite loss or gradient ({diag['detail']}); stopped before the "
                                   f"optimizer step, weights untouched; diagnostic in {self.out / layout.NONFINITE}")
-        if cfg.grad_flow_every and step % cfg.grad_flow_every == 0:
+        if not r.deferred and cfg.grad_flow_every and step % cfg.grad_flow_every == 0:
             flow = gates.gradient_flow_from_grads(self.trainable)
             if not flow.passed:
                 raise gates.GateError(f"step {step}: runtime gradient-flow check failed: {flow.detail}")
         r.spike_z = self.monitor.observe(step, r.loss)
-        if r.spike_z and cfg.on_spike == "skip":
-            self.optimizer.zero_grad(set_to_none=True)
+        if r.spike_z and cfg.on_spike == "skip":  # never deferred: --on-spike skip reads every step
             self.log.write({"event": "loss_spike_skipped", "step": step, "loss": r.loss, "loss_spike_z": r.spike_z})
             self.say(f"warning: step {step}: loss spike (z={r.spike_z:.1f}); batch skipped (--on-spike skip)")
             return False
@@ -526,7 +691,7 @@ class Trainer:
         for batch in self.data.val(self.cfg.eval_batches):
             x, y, mask = self.to_device(batch)
             with self.autocast():
-                _, loss = fwd(x, y, loss_mask=mask)
+                _, loss = fwd(x, y, loss_mask=mask, return_logits=False)  # the chunked loss: no logits held
             losses.append(loss.float())
         fwd.train(was)
         val = self.dist.mean(torch.stack(losses).mean()).item()
@@ -535,13 +700,18 @@ class Trainer:
             out["val_bpb"] = val / math.log(2) / self.data.bytes_per_token
         return out
 
+    def step_fields(self) -> dict:
+        """The host side of a step's record, taken when the step is queued (its values come later)."""
+        thr = self.throughput
+        out = {"tokens": self.tokens, "tokens_per_s": _num(thr.tokens_per_s), **thr.mfu_fields(),
+               "elapsed_s": round(thr.elapsed, 3)}
+        if self.device.type == "cuda":
+            out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+        return out
+
     def record(self, r: StepResult) -> dict:
         """The step's log.jsonl record (validation is added by the loop)."""
-        thr = self.throughput
-        rec = {"step": self.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens": self.tokens,
-               "tokens_per_s": _num(thr.tokens_per_s), **thr.mfu_fields(), "elapsed_s": round(thr.elapsed, 3)}
-        if self.device.type == "cuda":
-            rec["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+        rec = {"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, **r.fields}
         if r.spike_z:
             rec["loss_spike_z"] = r.spike_z
         return rec
@@ -564,22 +734,90 @@ class Trainer:
     # ------------------------------------------------------------------------------------- save
     def save(self) -> None:
         """A complete checkpoint of this step (atomic; see training.checkpoint). Every rank calls it:
-        gathering FSDP2 shards is a collective; rank 0 alone writes."""
+        gathering FSDP2 shards is a collective; rank 0 alone writes, on a background thread unless
+        --no-async-checkpoints. The previous write must have succeeded (every rank learns if not)."""
         d = self.dist
-        weights = D.full_model_state(self.wrapped, rank0_only=True)
-        optim_sd = D.full_optimizer_state(self.wrapped, self.optimizer)
+        self.finish_saves()
+        bad = ckpt.nonfinite(self.local_state())  # on the device, before anything is gathered or copied
+        if d.any(bool(bad), self.device):
+            raise ckpt.CheckpointError(f"refusing to save step {self.step}: "
+                                       f"{bad[0] if bad else 'a tensor on another rank'} holds non-finite values")
+        # single process and DDP: the live tensors on the device (the writer copies them to pinned host
+        # memory); FSDP2: gathered to CPU on rank 0, one tensor at a time (no full copy on the GPU)
+        offload = self.cfg.fsdp and d.enabled
+        weights = D.full_model_state(self.wrapped, rank0_only=offload)
+        optim_sd = D.full_optimizer_state(self.wrapped, self.optimizer, rank0_only=offload)
         if d.is_main:
             tensors, groups = ckpt.flatten_optimizer(optim_sd, [])
             state = {"kind": self.kind, "tokens": self.tokens, "elapsed_s": self.throughput.elapsed,
                      "data": self.data.train.state_dict(), "optimizer_param_groups": groups,
                      "world_size": d.world_size, "train": self.cfg.to_dict(), "early_stop": dict(self.best)}
-            ckpt.save(self.out, self.step, weights=ckpt.weights_for_save(weights, self.model_cfg), cfg=self.model_cfg,
-                      tokenizer=self.data.tokenizer, optim_tensors=tensors, rng=optim.rng_state(self.device),
-                      state=state, keep_last=self.cfg.keep_last, keep={self.best["step"]} if self.patience else ())
+            self.writer.save(self.out, self.step, weights=ckpt.drop_tied(weights, self.model_cfg), cfg=self.model_cfg,
+                             tokenizer=self.data.tokenizer, optim_tensors=tensors, rng=optim.rng_state(self.device),
+                             state=state, keep_last=self.cfg.keep_last, keep={self.best["step"]} if self.patience else (),
+                             fresh=offload, checked=True)
         d.barrier()
         self.saved_step = self.step
 
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's weights and optimizer moments where they live (FSDP2: the local shards)."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        out = {}
+        for name, p in self.model.named_parameters():
+            out[name] = local(p.detach())
+            for moment, v in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v):
+                    out[f"{name}/{moment}"] = local(v)
+        return out
+
+    def finish_saves(self, then: Callable[[], None] | None = None) -> None:
+        """Block until rank 0's checkpoint write in flight is on disk; its error is raised on every rank
+        (one tiny collective), so no rank trains on, or exits, while rank 0 is still writing. `then`
+        runs between the wait and the collective."""
+        error = None
+        if self.dist.is_main:
+            try:
+                self.writer.wait()
+            except Exception as e:  # a CheckpointError, or any other failure of the writer thread
+                error = e
+        if then is not None:
+            then()
+        if self.dist.any(error is not None, self.device):
+            raise error or ckpt.CheckpointError("rank 0 could not write a checkpoint; see its error")
+
+    def stop_preempted(self, signum: int) -> None:
+        """A preemption signal, agreed by every rank: checkpoint this step (unless it has one), wait
+        until it is on disk, and raise preempt.Preempted (exit EXIT_PREEMPTED)."""
+        name = preempt.signal_name(signum)
+        if self.step > self.saved_step:
+            self.save()
+        # once it is on disk, further signals are ignored while the process exits: torchrun SIGTERMs the
+        # ranks still exiting as soon as one has exited, and each should still exit EXIT_PREEMPTED
+        self.finish_saves(then=self.preemption.ignore_signals)
+        done = (f"checkpoint {ckpt.step_dir_name(self.step)} written" if self.step else
+                "no checkpoint (no step was trained)")
+        if self.log is not None:
+            self.log.write({"event": "preempted", "step": self.step, "signal": name})
+        raise preempt.Preempted(f"preempted at step {self.step} by {name}; {done}; run the same command to resume"
+                                if self.dist.is_main else "")
+
+    def end_checkpointing(self) -> None:
+        """However the run ends: the signal handlers restored, the last write waited for. A write error is
+        raised unless another error is already on its way out (run()'s finally)."""
+        if self.preemption is not None:
+            self.preemption.restore()
+        if sys.exc_info()[0] is None:
+            self.writer.close()
+        else:
+            with contextlib.suppress(ckpt.CheckpointError):
+                self.writer.close()
+
     def summary(self) -> dict:
+        self.finish_saves()  # "done" only once the last checkpoint is on disk
+        if self.preemption is not None:
+            self.preemption.restore()
         elapsed = self.throughput.elapsed
         self.say(f"done: {self.step} steps, {self.tokens:,} tokens in {fmt_duration(elapsed)}; run folder {self.out}")
         out = {"step": self.step, "tokens": self.tokens, "elapsed_s": elapsed, "run_dir": str(self.out),
@@ -588,4 +826,7 @@ class Trainer:
             out["best_val_loss"], out["best_step"] = self.best["val_loss"], self.best["step"]
         if self.early_stopped is not None:
             out["early_stop"] = self.early_stopped
+        if self.writer.stall_s:  # seconds the loop was blocked per save, and each write's own seconds
+            out["checkpoint_stall_s"] = [round(t, 4) for t in self.writer.stall_s]
+            out["checkpoint_write_s"] = [round(t, 4) for t in self.writer.write_s]
         return out

@@ -28,7 +28,7 @@ class PreflightContext:
 
     model: nn.Module
     raw_model: Transformer
-    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer]  # the run's own, for the overfit copy
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer]  # the run's own: the overfit gate's optimizer
     batches: TrainingData  # the loader (read through its own next_batch, state restored), val, tokenizer, report
     cfg: TrainConfig
     model_cfg: ModelConfig

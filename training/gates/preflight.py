@@ -5,9 +5,9 @@ RNG state, data position and weights are as before.
     frozen_parameters    no parameter has requires_grad=False by mistake                       model
     gradient_flow        one forward/backward on a real batch: every trainable parameter gets a
                          gradient that exists, is finite and nonzero (and no dead rows)         model
-    compiled_vs_eager    logits and every gradient of the trained object agree with a fresh eager
-                         reference model, within a dtype-aware tolerance                        model
-    overfit_one_batch    a copy of the model halves its loss on one fixed batch                 model
+    compiled_vs_eager    logits and every gradient of the trained object, on the real micro-batch,
+                         agree with a fresh eager reference model within a measured tolerance   model
+    overfit_one_batch    the model halves its loss on one fixed batch (weights restored after)  model
     throughput           MFU floor and backward/forward time ratio (enforced on CUDA)           model
     data                 token ids < vocab, no repeated windows, train/val disjoint             data
     tokenizer            fertility and balance of the tokenizer (from the data report)          data

@@ -93,31 +93,55 @@ class RuntimeMonitor:
 
     @staticmethod
     def nonfinite_diagnostic(step: int, loss: float, grad_norm: float, named_params: NamedParams,
-                             position: dict) -> dict:
-        """What nonfinite.json records: the step, loss, norm, first bad parameter and data position."""
+                             position: dict, first_index: int | None = None) -> dict:
+        """What nonfinite.json records: the step, loss, norm, first bad parameter and data position.
+
+        The first bad parameter is found by scanning the gradients now, or, when the step's gradients
+        are gone (read after later steps), given as `first_index` (first_nonfinite_index; -1: none)."""
         first = None
-        for name, p in named_params:
-            if p.grad is None:
-                continue
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # this rank's shard suffices
-            if not bool(torch.isfinite(g).all()):
-                first = name
-                break
+        if first_index is not None:
+            names = [name for name, p in named_params if p.requires_grad]
+            first = names[first_index] if 0 <= first_index < len(names) else None
+        else:
+            for name, p in named_params:
+                if p.grad is None:
+                    continue
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # this rank's shard suffices
+                if not bool(torch.isfinite(g).all()):
+                    first = name
+                    break
         detail = f"loss={loss}, grad_norm={grad_norm}" + (f", first non-finite gradient in {first}" if first else "")
         return {"step": step, "loss": repr(loss), "grad_norm": repr(grad_norm), "first_nonfinite_param": first,
                 "data_position": position, "detail": detail}
 
 
+def first_nonfinite_index(named_params: NamedParams) -> torch.Tensor:
+    """The index (among trainable parameters) of the first one whose gradient (this rank's shard) is
+    not finite, -1 if none: a 0-d tensor on the device, computed without a host sync."""
+    trainable = [p for _, p in named_params if p.requires_grad]
+    have = [(i, p.grad) for i, p in enumerate(trainable) if p.grad is not None]
+    if not have:
+        return torch.tensor(-1)
+    grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in have]
+    bad = ~torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads)]))
+    if len(have) == len(trainable):  # arange is made on the device; a list would be a (syncing) copy
+        idx = torch.arange(len(have), device=bad.device)
+    else:
+        idx = torch.tensor([i for i, _ in have], device=bad.device)
+    return torch.where(bad, idx, len(trainable)).min().where(bad.any(), -1)
+
+
 def clip_grad_norm_finite(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """`clip_grad_norm_` (max_norm <= 0: no clipping), except that a non-finite total norm leaves the
     gradients untouched: clip_grad_norm_ would multiply every gradient by NaN, and the non-finite
-    diagnostic could no longer name the parameter where it started. Returns the total norm."""
+    diagnostic could no longer name the parameter where it started. Returns the total norm.
+    No host sync: a non-finite norm is replaced by 0 on the device, which clips by exactly 1.0."""
     utils = torch.nn.utils
     params = [p for p in parameters if p.grad is not None]
     limit = max_norm if max_norm > 0 else math.inf
     if not hasattr(utils, "get_total_norm"):  # torch < 2.6
         return utils.clip_grad_norm_(params, limit)
     total = utils.get_total_norm([p.grad for p in params])
-    if math.isfinite(limit) and bool(torch.isfinite(full_grad(total))):
-        utils.clip_grads_with_norm_(params, limit, total)
+    if math.isfinite(limit):
+        utils.clip_grads_with_norm_(params, limit, torch.where(torch.isfinite(total), total, 0.0))
     return total

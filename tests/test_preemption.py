@@ -1,0 +1,306 @@
+"""Preemption: real SIGTERM / SIGUSR1 to real training processes (training/preempt.py).
+
+1. One process: SIGTERM mid-run -> the step finishes, a checkpoint of it is written, exit 3 with the
+   `preempted at step N by SIGTERM; checkpoint step_N written; …` line; the same command resumes, and
+   the per-step losses, grad norms and final weights equal an uninterrupted run's bit for bit.
+2. A second signal ends the process at once (killed by it); the newest complete checkpoint loads
+   and the same command resumes it to the uninterrupted run's curve. A repeat within the window
+   (one request delivered twice, as SLURM + torchrun do) is not a second signal.
+3. torchrun, 2 processes on gloo: SIGUSR1 to rank 1 alone -> both ranks stop at the same step, rank 0
+   writes that step's checkpoint, each worker exits 3, and the resumed run equals an uninterrupted one.
+4. The asynchronous checkpoint writer (training.checkpoint.CheckpointWriter): what it writes is the
+   state at the save, not later; non-finite state is refused before any copy; a failed write is
+   raised at the next save and at the end.
+Signals are timed by steps (records in log.jsonl), never by seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures_reliability import REPO, child_env, train_argv
+from safetensors.torch import load_file
+
+from training import checkpoint as ckpt
+from training import layout
+from training.cli import EXIT_PREEMPTED
+from training.model import Transformer, preset
+from training.preempt import REPEAT_ENV
+from training.tokenizer import Tokenizer
+
+STEPS = 60  # far more than the few the signal needs to land in: the run never finishes first
+SIGNAL_AFTER = 3  # step records in log.jsonl before the signal is sent
+TIMEOUT_S = 300
+POLL_S = 0.002
+PREEMPTED = "preempted at step {n} by {sig}; checkpoint {ck} written; run the same command to resume"
+
+
+def _step_records(run: Path) -> list[dict]:
+    f = run / layout.LOG
+    if not f.is_file():
+        return []
+    *lines, _torn = f.read_text(encoding="utf-8").split("\n")  # a line being written is left out
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def _curve(run: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in _step_records(run)]
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(ckpt.latest(run) / ckpt.MODEL_FILE))
+
+
+def _assert_same_run(run: Path, ref: Path) -> None:
+    got, want = _curve(run), _curve(ref)
+    assert [s for s, _, _ in want] == list(range(1, STEPS + 1))
+    assert [s for s, _, _ in got] == list(range(1, STEPS + 1)), "steps lost or repeated in log.jsonl"
+    assert got == want, "per-step losses / grad norms differ from the uninterrupted run"
+    a, b = _weights(run), _weights(ref)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "final weights differ"
+    assert ckpt.step_of(ckpt.latest(run)) == STEPS
+
+
+def _wait_for(cond, p: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not cond():
+        if p.poll() is not None:
+            raise AssertionError(f"the run ended (rc {p.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(POLL_S)
+
+
+@pytest.fixture
+def start():
+    """start(argv, log, **env): a training process writing to `log`; any still running at the end is killed."""
+    started: list[subprocess.Popen] = []
+
+    def go(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
+        with open(log, "w") as f:
+            started.append(subprocess.Popen(argv, cwd=REPO, env={**child_env(), **env}, stdout=f,
+                                            stderr=subprocess.STDOUT))
+        return started[-1]
+
+    yield go
+    for p in started:  # SIGTERM first: torchrun passes it on to its workers, SIGKILL would orphan them
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(bn_data, tmp_path_factory) -> Path:
+    """The uninterrupted run: STEPS steps, one checkpoint, at the end."""
+    out = tmp_path_factory.mktemp("preempt-ref") / "run"
+    r = subprocess.run(train_argv(bn_data, out, steps=STEPS, save_every=0), cwd=REPO, env=child_env(),
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return out
+
+
+def test_sigterm_checkpoints_the_step_and_resumes_exactly(bn_data, reference, tmp_path, start):
+    run = tmp_path / "run"
+    argv = train_argv(bn_data, run, steps=STEPS, save_every=0)  # no checkpoint but the one the signal asks for
+    p = start(argv, tmp_path / "first.log")
+    _wait_for(lambda: len(_step_records(run)) >= SIGNAL_AFTER, p, f"{SIGNAL_AFTER} steps")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=TIMEOUT_S) == EXIT_PREEMPTED
+    out = (tmp_path / "first.log").read_text()
+    assert "Traceback" not in out, out
+    n = ckpt.step_of(ckpt.latest(run))
+    assert SIGNAL_AFTER <= n < STEPS, out
+    assert PREEMPTED.format(n=n, sig="SIGTERM", ck=ckpt.step_dir_name(n)) in out, out
+    assert [ckpt.step_of(c) for c in ckpt.list_checkpoints(run)] == [n]  # the signal's checkpoint, and only it
+    assert [r["step"] for r in _step_records(run)] == list(range(1, n + 1)), "the signal's step is not the last one"
+    events = [json.loads(x) for x in (run / layout.LOG).read_text().splitlines() if '"event"' in x]
+    assert {"event": "preempted", "step": n, "signal": "SIGTERM"} in events
+    assert not list((run / layout.CHECKPOINTS).glob(ckpt.TMP_PREFIX + "*"))
+
+    r = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"resumed from {run / layout.CHECKPOINTS / ckpt.step_dir_name(n)} (step {n}," in r.stdout, r.stdout
+    _assert_same_run(run, reference)
+
+
+def test_second_signal_exits_at_once_and_the_newest_checkpoint_loads(bn_data, reference, tmp_path, start):
+    run = tmp_path / "run"
+    argv = train_argv(bn_data, run, steps=STEPS, save_every=1)  # a save every step: the second signal lands near one
+    log = tmp_path / "first.log"
+    # no repeat window: the step and the save of this tiny model take milliseconds, less than the window
+    p = start(argv, log, **{REPEAT_ENV: "0"})
+    _wait_for(lambda: len(_step_records(run)) >= SIGNAL_AFTER, p, f"{SIGNAL_AFTER} steps")
+    p.send_signal(signal.SIGTERM)
+    _wait_for(lambda: "SIGTERM received" in log.read_text(), p, "the first signal's handler")
+    p.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert p.wait(timeout=TIMEOUT_S) == -signal.SIGTERM, log.read_text()  # killed by it, not a clean exit
+    assert time.monotonic() - t0 < 5.0
+    assert "preempted at step" not in log.read_text()
+    newest = ckpt.latest(run)
+    ck = ckpt.load(run)  # complete and loadable, with everything a resume needs
+    assert ck.state["step"] == ckpt.step_of(newest) >= 1
+    ckpt.read_state(newest, ckpt.RESUME_STATE_SCHEMA)
+    assert ck.optimizer_and_rng(strict=True)[0]
+
+    r = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not list((run / layout.CHECKPOINTS).glob(ckpt.TMP_PREFIX + "*"))
+    _assert_same_run(run, reference)
+
+
+REPEAT_SCRIPT = """
+import os, signal, sys, time
+import torch
+from training.distributed import Dist
+from training.preempt import Preemption
+p = Preemption(Dist(), torch.device("cpu")).install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.05)  # the handler has run
+os.kill(os.getpid(), signal.SIGTERM)  # the same request delivered again, within the window: ignored
+time.sleep(0.05)
+print("alive, stopping on", p.poll(), flush=True)
+time.sleep(p.repeat_after_s)
+os.kill(os.getpid(), signal.SIGUSR1)  # a second request
+time.sleep(30)
+print("still alive", flush=True)
+"""
+
+
+def test_a_repeat_within_the_window_is_one_request_a_later_one_kills():
+    r = subprocess.run([sys.executable, "-c", REPEAT_SCRIPT], cwd=REPO, env={**child_env(), REPEAT_ENV: "0.5"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGUSR1, r.stdout + r.stderr
+    assert r.stdout == f"alive, stopping on {int(signal.SIGTERM)}\n", r.stdout + r.stderr
+    assert r.stderr.count("SIGTERM received") == 1 and "second SIGUSR1: exiting at once" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------- torchrun
+def _torchrun_argv(data: Path, out: Path) -> list[str]:
+    argv = train_argv(data, out, "--device", "cpu", steps=STEPS, save_every=0)
+    assert argv[1] == str(REPO / "training" / "train.py")
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv[1:]]
+
+
+def _workers(pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun `pid`'s worker processes (its children with RANK in their environment)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0") if ppid == pid else []
+        except (OSError, IndexError, ValueError):
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                found[int(kv[5:])] = int(d.name)
+    return found
+
+
+def _torchrun(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
+def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tmp_path, start):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    argv = _torchrun_argv(bn_data, run)
+    reference = start(_torchrun_argv(bn_data, ref), tmp_path / "ref.log")  # alongside: it needs no signal
+    log = tmp_path / "first.log"
+    p = start(argv, log)
+    _wait_for(lambda: len(_step_records(run)) >= SIGNAL_AFTER, p, f"{SIGNAL_AFTER} steps")
+    workers = _workers(p.pid)
+    assert sorted(workers) == [0, 1], workers
+    os.kill(workers[1], signal.SIGUSR1)  # rank 1 alone: rank 0 must learn it and stop at the same step
+    assert p.wait(timeout=TIMEOUT_S) != 0  # torchrun reports a worker that exited non-zero as a failure (1)
+    assert reference.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    out = log.read_text()
+    n = ckpt.step_of(ckpt.latest(run))
+    assert SIGNAL_AFTER <= n < STEPS, out
+    assert out.count(PREEMPTED.format(n=n, sig="SIGUSR1", ck=ckpt.step_dir_name(n))) == 1, out  # rank 0's line
+    assert "rank 1: SIGUSR1 received" in out and "rank 0: SIGUSR1 received" not in out, out
+    assert "training/trainer.py" not in out, out  # no worker traceback (torchrun prints one of its own)
+    assert out.count(f"exitcode  : {EXIT_PREEMPTED} ") == 2, out  # both workers, also the one torchrun SIGTERMed
+    assert [r["step"] for r in _step_records(run)] == list(range(1, n + 1))
+    assert [ckpt.step_of(c) for c in ckpt.list_checkpoints(run)] == [n]
+
+    r = _torchrun(argv)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"(step {n}," in r.stdout and "resumed from" in r.stdout, r.stdout[-2000:]
+    _assert_same_run(run, ref)
+
+
+# ------------------------------------------------------------------------------- asynchronous writer
+@pytest.fixture
+def tiny_state(bn_data):
+    tok = Tokenizer.load(bn_data / layout.TOKENIZER)
+    cfg = preset("tiny", vocab_size=tok.vocab_size, n_layers=1)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, cfg.vocab_size, (1, 8)), torch.randint(0, cfg.vocab_size, (1, 8)))[1].backward()
+    opt.step()
+    names = [n for n, _ in model.named_parameters()]
+    moments, groups = ckpt.flatten_optimizer(opt.state_dict(), names)
+    return model, cfg, tok, moments, groups
+
+
+def _save(writer, run, step, model, cfg, tok, moments, groups):
+    writer.save(run, step, weights=ckpt.drop_tied(model.state_dict(), cfg), cfg=cfg, tokenizer=tok,
+                optim_tensors=moments, rng={"torch_cpu": torch.get_rng_state()},
+                state={"tokens": step, "data": {}, "optimizer_param_groups": groups})
+
+
+def test_async_writer_writes_the_state_at_the_save_not_later(tiny_state, tmp_path):
+    model, cfg, tok, moments, groups = tiny_state
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    w = ckpt.CheckpointWriter(asynchronous=True)
+    _save(w, tmp_path, 1, model, cfg, tok, moments, groups)
+    with torch.no_grad():  # training goes on while the thread writes: it must not see this
+        for p in model.parameters():
+            p.add_(1.0)
+        for t in moments.values():
+            t.add_(1.0)
+    w.close()
+    got = ckpt.load(tmp_path)
+    assert all(torch.equal(got.weights[k], before[k]) for k in got.weights)
+    assert not torch.equal(got.weights["norm.weight"], model.state_dict()["norm.weight"])
+    saved, _ = got.optimizer_and_rng(strict=True)
+    assert all(torch.equal(saved[k] + 1.0, moments[k]) for k in saved if not k.endswith("/step"))
+    assert len(w.stall_s) == len(w.write_s) == 1
+
+
+def test_nonfinite_state_is_refused_before_any_copy(tiny_state, tmp_path):
+    model, cfg, tok, moments, groups = tiny_state
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    w = ckpt.CheckpointWriter(asynchronous=True)
+    with pytest.raises(ckpt.CheckpointError, match=r"refusing to save weights: norm\.weight holds non-finite"):
+        _save(w, tmp_path, 1, model, cfg, tok, moments, groups)
+    w.close()
+    assert not (tmp_path / layout.CHECKPOINTS).exists() and not w._buffers
+
+
+def test_a_failed_background_write_is_raised_at_the_next_save_and_at_the_end(tiny_state, tmp_path):
+    model, cfg, tok, moments, groups = tiny_state
+    (tmp_path / layout.CHECKPOINTS).write_text("a file where the checkpoints folder should be")
+    w = ckpt.CheckpointWriter(asynchronous=True)
+    _save(w, tmp_path, 1, model, cfg, tok, moments, groups)  # returns: the write fails in the thread
+    with pytest.raises(ckpt.CheckpointError, match="could not write checkpoint 1"):
+        _save(w, tmp_path, 2, model, cfg, tok, moments, groups)
+    _save(w, tmp_path, 3, model, cfg, tok, moments, groups)
+    with pytest.raises(ckpt.CheckpointError, match="could not write checkpoint 3"):
+        w.close()
