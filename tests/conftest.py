@@ -8,6 +8,7 @@ where any skip that is not an "opt-in:" skip fails the run."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,16 @@ OPT_IN = "opt-in:"  # the only skips CI accepts: say what to set to run the test
 
 
 SHARED_ENV = "PRODIP_SHARED_DATA"  # "1": breadth tests must run (.ci/run sets it: CI has ../shared)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (torchrun and servers pass it on and clean up), then SIGKILL after `timeout` s; reaped."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def shared_path(*parts: str) -> Path:

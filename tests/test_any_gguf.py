@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO
+from conftest import REPO, stop
 from fixtures_foreign_gguf import (
     CONTEXT,
     GEMMA,
@@ -194,6 +194,5 @@ def test_cli_http_serves_a_foreign_file(foreign_ggufs):  # noqa: F811
         assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
         assert r.json()["usage"]["completion_tokens"] >= 1
     finally:
-        p.terminate()
-        p.wait(timeout=30)
+        stop(p)
         reader.join(10)

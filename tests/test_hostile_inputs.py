@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import stop
 from fixtures_reliability import (  # noqa: F401  (pytest fixtures)
     N_CTX,
     REPO,
@@ -595,8 +596,7 @@ def http_server(rel_run, tmp_path_factory):  # noqa: F811
         _wait_http(url + "/health", p)
         yield url, port
     finally:
-        p.terminate()
-        p.wait(timeout=30)
+        stop(p)
         log.close()
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ASSETS, REPO
+from conftest import ASSETS, REPO, stop
 
 from export.llama_tools import TOOLS, missing_tools, tool_path
 
@@ -187,12 +187,7 @@ def _server(cmd: list[str], port: int, log: Path):
             time.sleep(0.5)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, timeout=20)
 
 
 def _calls(base_url: str) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import stop
 from fixtures_reliability import REPO, child_env, train_argv
 from safetensors.torch import load_file
 
@@ -93,12 +94,7 @@ def start():
     yield go
     for p in started:  # SIGTERM first: torchrun passes it on to its workers, SIGKILL would orphan them
         if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop(p, timeout=60)
 
 
 @pytest.fixture(scope="module")
