@@ -2,8 +2,9 @@
 ../shared/data location for opt-in breadth.
 
 Every fixture here builds on training/assets only, so a fresh clone runs every test. Tests that read
-../shared/data are opt-in breadth: they skip (with a message) when it is absent, except under CI=true,
-where any skip that is not an "opt-in:" skip fails the run."""
+../shared/data are opt-in breadth, each beside a test of the same behaviour on training/assets: they
+skip with an "opt-in:" message when it is absent, and fail instead when PRODIP_SHARED_DATA=1 (.ci/run
+sets it: CI has ../shared). Under CI=true any skip that is not an "opt-in:" skip fails the run."""
 
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ def shipped_texts() -> list[str]:
 
 
 def tatoeba_lines() -> list[str]:
-    """The Tatoeba Bangla lines (skips, or fails under CI=true, when ../shared/data is absent)."""
+    """The Tatoeba Bangla lines, opt-in breadth (conftest.shared_path: skipped when ../shared/data is absent,
+    a failure with PRODIP_SHARED_DATA=1)."""
     return [normalize(x) for x in shared_path(*TATOEBA).read_text(encoding="utf-8").splitlines() if x.strip()]
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA, shared_path
+from conftest import shared_path
 from fixtures_tokenizer import write_subset
 
 from training.data import TokenStream, read_header, read_meta
@@ -363,11 +362,11 @@ def test_cli_prints_the_fertility_table_and_fails_gates_with_exit_1(corpus, tmp_
 
 
 def test_healthy_tokenizer_on_the_whole_shared_training_corpus(tmp_path):
-    """bn/train + en/train at the default 8k vocabulary: both gates pass, Bangla well above the floor."""
+    """Opt-in breadth: bn/train + en/train of ../shared/data at the default 8k vocabulary: both gates
+    pass, Bangla well above the floor. The same on training/assets: test_healthy_data_dir_layout_meta_and_report.
+    (Its speed is a benchmark's business: tests/benchmarks/bench_prepare.py.)"""
     bn, en = shared_path("bn", "train"), shared_path("en", "train")
-    t0 = time.process_time()  # CPU time of this process (workers=1: everything runs here), not wall time
     meta = prepare([bn, en], tmp_path / "data", **FAST)
-    elapsed = time.process_time() - t0
     report = json.loads((tmp_path / "data" / "report.json").read_text())
     assert all(g["passed"] for g in report["gates"]), report["gates"]
     langs = report["fertility"]["languages"]
@@ -375,5 +374,3 @@ def test_healthy_tokenizer_on_the_whole_shared_training_corpus(tmp_path):
     assert meta["vocab_size"] == 8192 and meta["splits"]["train"]["n_docs"] > 35_000
     docs = report["documents"]
     assert 0 < docs["dropped"] < 0.15 * docs["raw"], docs  # cleaning removes little of edited literature
-    assert elapsed < 60, f"whole-corpus prepare took {elapsed:.0f} CPU seconds"
-    assert SHARED_DATA.exists()
