@@ -24,7 +24,7 @@ Memory per GPU, bytes (N = parameters, tokens = micro-batch x seq_len; docs/scal
 The activation bytes were measured by counting the distinct storages autograd saves
 (torch.autograd.graph.saved_tensors_hooks) on CPU, for one and two blocks, batch 1 and 2 (docs/scale.md):
 an upper bound for the compiled CUDA run, which fuses pointwise chains and saves less. tests/test_plan.py
-checks the whole estimate against a real forward/backward/AdamW step's peak resident memory on CPU.
+checks the whole estimate against a real forward/backward/AdamW step's peak of live tensor bytes on CPU.
 """
 
 from __future__ import annotations
