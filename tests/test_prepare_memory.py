@@ -125,3 +125,25 @@ def test_memory_gb_flag(tmp_path, capsys):
     assert rep["memory"]["budget_mb"] == 1536 and rep["memory"]["workers"] == 1
     assert rep["dedup"]["index_bytes"] <= rep["memory"]["index_mb"] << 20
     assert meta["splits"]["train"]["n_tokens"] > 0
+
+
+def test_a_full_dedup_index_is_said_loudly(tmp_path, capsys):
+    """More kept documents than a 1 MiB index holds (~6.5 k): the run still completes, but the copies it
+    could no longer catch are not silent: one warning line naming --memory-gb, and report.json/.md say so."""
+    words = sorted({w for f in sorted(CORPUS.rglob("*.txt")) for w in f.read_text(encoding="utf-8").split()})
+    rng = random.Random(0)
+    n = 9_000
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=40))}, ensure_ascii=False) + "\n"
+                            for _ in range(n)), encoding="utf-8")
+    quality = tmp_path / "quality.toml"
+    quality.write_text("[dedup]\nmax_index_mb = 1\n", encoding="utf-8")
+    out = tmp_path / "data"
+    prepare([docs], out, vocab_size=1024, fertility_floor=1.0, progress=False, workers=1, quality=quality,
+            filters=False)
+    err = [line for line in capsys.readouterr().err.splitlines() if "dedup index" in line]
+    assert len(err) == 1 and err[0].startswith("warning: the dedup index (1 MiB) filled after "), err
+    assert f"of {n:,} kept documents" in err[0] and "--memory-gb" in err[0]
+    d = json.loads((out / "report.json").read_text(encoding="utf-8"))["dedup"]
+    assert 0 < d["index_full_after_docs"] == d["indexed_docs"] < n and d["index_capacity_docs"] < n
+    assert "**Deduplication incomplete:** the dedup index (1 MiB) filled" in (out / "report.md").read_text(encoding="utf-8")

@@ -21,6 +21,8 @@ projection for 2 B tokens on a 16-core machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import random
@@ -40,6 +42,7 @@ from training.prepare.decontam import EvalIndex, resolve_eval_paths  # noqa: E40
 from training.prepare.dedup import DedupIndex  # noqa: E402
 from training.prepare.encode import encode_chunk  # noqa: E402
 from training.prepare.encode import init_worker as init_encoder  # noqa: E402
+from training.prepare.errors import PrepareError  # noqa: E402
 from training.prepare.memory import DEFAULT_MEMORY_GB, plan_memory  # noqa: E402
 from training.prepare.options import DEFAULT_SHARD_TOKENS  # noqa: E402
 from training.prepare.pool import chunks  # noqa: E402
@@ -318,27 +321,51 @@ def flatness(results: dict, sizes: list[int], w: int) -> None:
 def project(rates: dict, results: dict, sizes: list[int], memory_gb: float) -> None:
     """2 B tokens on 16 cores, from CPU seconds (the load-independent figures) of the largest
     multi-worker run: the main process's CPU is serial, the workers' CPU divides by the workers the
-    memory budget allows on 16 cores (at most 15: one core is the main process's)."""
+    memory budget allows on 16 cores (at most 15: one core is the main process's). A budget whose dedup
+    index holds fewer documents than 2 B tokens have would dedup only part of them, so the projection
+    is also given at the smallest budget (quarter GB steps) whose index holds them all."""
     s, w = max(results, key=lambda k: (k[0], k[1]))
     r = results[(s, w)]
-    plan = plan_memory(memory_gb, TARGET_CORES - 1, DEFAULT_SHARD_TOKENS, load_config().dedup["max_index_mb"])
-    n = plan.workers
     bpt, kept = rates["_bytes_per_token"], rates["_kept_share"]
     raw_mb = TARGET_TOKENS * bpt / kept / 1e6
-    main_per_mb = r["main_cpu"] / s
-    worker_per_mb = (r["cpu"] - r["main_cpu"]) / s
-    main_s, worker_s = raw_mb * main_per_mb, raw_mb * worker_per_mb
-    wall = max(main_s, worker_s / n)
-    print(f"\n## Projection: 2 B tokens on {TARGET_CORES} cores, --memory-gb {memory_gb:g}\n")
+    docs = raw_mb * r["dedup"]["indexed_docs"] / s  # kept documents per MB read, from the same run
+    main_per_mb, worker_per_mb = r["main_cpu"] / s, (r["cpu"] - r["main_cpu"]) / s
+    print(f"\n## Projection: 2 B tokens on {TARGET_CORES} cores\n")
     print(f"{bpt:.2f} bytes/token (this tokenizer, this text), {kept:.0%} of the bytes kept -> "
-          f"{raw_mb / 1e3:.1f} GB read. From the {s} MB run with {w} workers: main process "
-          f"{1 / main_per_mb:.2f} MB per CPU-s (serial: reading, dedup index, shard writes, IPC) -> "
-          f"{main_s / 60:.0f} min; workers {1 / worker_per_mb:.2f} MB per CPU-s -> {worker_s / 3600:.1f} "
-          f"CPU-hours / {n} workers (what --memory-gb {memory_gb:g} fits; index {plan.index_mb} MiB, "
-          f"{DedupIndex(plan.index_mb).capacity_docs:,} documents) = {worker_s / n / 60:.0f} min. "
-          f"Projected wall: {wall / 60:.0f} min ({'meets' if wall <= 3600 else 'misses'} the 1 h target; "
-          f"tokenizer training, a fixed cost, not included).")
-    print(f"(this machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+          f"{raw_mb / 1e3:.1f} GB read, ~{docs / 1e6:.1f} M kept documents. From the {s} MB run with {w} "
+          f"workers: main process {1 / main_per_mb:.2f} MB per CPU-s (serial: reading, dedup index, shard "
+          f"writes, IPC), workers {1 / worker_per_mb:.2f} MB per CPU-s.\n")
+    print("| --memory-gb | workers | index MiB | documents indexed | main process min | workers min | wall min | 1 h |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    for gb in dict.fromkeys([memory_gb, budget_indexing_all(docs)]):
+        if gb is None:
+            print(f"| – | | | no budget indexes {docs:,.0f} documents under max_index_mb: use --num-shards | | | | |")
+            continue
+        plan = plan_memory(gb, TARGET_CORES - 1, DEFAULT_SHARD_TOKENS, load_config().dedup["max_index_mb"])
+        cap = DedupIndex(plan.index_mb).capacity_docs
+        main_s, worker_s = raw_mb * main_per_mb, raw_mb * worker_per_mb / plan.workers
+        wall = max(main_s, worker_s)
+        share = "all" if cap >= docs else f"first {cap:,} ({cap / docs:.0%}): incomplete"
+        print(f"| {gb:g} | {plan.workers} | {plan.index_mb} | {share} | {main_s / 60:.0f} | {worker_s / 60:.0f} | "
+              f"{wall / 60:.0f} | {'met' if wall <= 3600 else 'missed'} |")
+    print("\n(tokenizer training, a fixed cost, not included; "
+          f"this machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})")
+
+
+def budget_indexing_all(docs: float, step_gb: float = 0.25, max_gb: float = 64.0) -> float | None:
+    """The smallest --memory-gb giving 15 workers and an index that holds `docs` documents."""
+    max_index = load_config().dedup["max_index_mb"]
+    for i in range(1, int(max_gb / step_gb) + 1):
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # "fits N workers" warnings of the smaller budgets
+                plan = plan_memory(i * step_gb, TARGET_CORES - 1, DEFAULT_SHARD_TOKENS, max_index)
+        except PrepareError:  # too small for one worker
+            continue
+        if plan.workers == TARGET_CORES - 1 and DedupIndex(plan.index_mb).capacity_docs >= docs:
+            return i * step_gb
+        if plan.workers == TARGET_CORES - 1 and plan.index_mb >= max_index:
+            return None  # the index is at its cap and still too small
+    return None
 
 
 if __name__ == "__main__":

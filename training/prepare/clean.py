@@ -180,6 +180,9 @@ def clean_pass(sources: list, skipped: list[dict], opt: Options, cfg: PrepConfig
         bar.update(seen)
     bar.close()
     res.dedup = index.stats() if index is not None else {}
+    if index is not None and (line := index.full_warning(sum(st["n_docs"] for st in res.kept.values()))):
+        print(line, file=sys.stderr)
+        res.dedup["index_full_warning"] = line.removeprefix("warning: ")
     return res
 
 

@@ -235,6 +235,19 @@ class DedupIndex:
             cap = min(cap, (self.bands.size + self.bands.room) // self.n_bands)
         return int(cap)
 
+    def full_warning(self, kept_docs: int) -> str | None:
+        """One line when indexing stopped (None otherwise): copies among the documents after that
+        point were not caught, which a falling loss would never show. Says what to raise."""
+        if self.full_after is None:
+            return None
+        keys = 1 + (self.n_bands if self.bands is not None else 0)
+        mb_per_million = keys * 8 / MAX_LOAD  # bytes per document = MB per million documents
+        need_mb = kept_docs * keys * 8 / MAX_LOAD / (1 << 20)
+        return (f"warning: the dedup index ({self.max_bytes / 2**20:.0f} MiB) filled after {self.full_after:,} "
+                f"of {kept_docs:,} kept documents: later ones were checked against those but copies among "
+                f"them were kept; an index for all needs ~{need_mb:,.0f} MiB ({mb_per_million:.0f} MB per "
+                f"million documents): raise --memory-gb, run fewer --workers, or split with --num-shards")
+
     def stats(self) -> dict:
         return {"indexed_docs": self.n_indexed, "index_bytes": self.nbytes,
                 "exact_keys": self.exact.size, "band_keys": self.bands.size if self.bands is not None else 0,

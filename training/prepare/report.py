@@ -63,7 +63,10 @@ def cleaning_md(sections: dict) -> list[str]:
               f"Deduplication: exact {dd['exact_duplicates']:,}, near {dd['near_duplicates']:,} (MinHash "
               f"{dd['num_perm']} permutations, {dd['bands']} bands x {dd['rows_per_band']} rows, word "
               f"{dd['shingle_words']}-grams, 50 % detection at Jaccard {dd['threshold_50pct']:.2f}; index "
-              f"{dd.get('index_bytes', 0) / 2**20:.1f} MiB).", "", "Removed examples:", ""]
+              f"{dd.get('index_bytes', 0) / 2**20:.1f} MiB).", ""]
+    if dd.get("index_full_warning"):
+        lines += [f"**Deduplication incomplete:** {dd['index_full_warning']}.", ""]
+    lines += ["Removed examples:", ""]
     _examples(lines, {**q["examples"], **dd["examples"]})
     lines += ["", "## Decontamination", "",
               f"Word {dc['ngram_words']}-gram overlap with each eval set (texts of {dc['min_words']}-"
