@@ -109,9 +109,7 @@ def speed(ck: Path, work: Path, threads: int) -> None:
           f"load average {os.getloadavg()[0]:.1f}")
 
 
-def main() -> int:
-    from training.model import count_params
-
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="400m")
     ap.add_argument("--work", type=Path, help="keep the checkpoint here (reused by the next run)")
@@ -119,7 +117,13 @@ def main() -> int:
     ap.add_argument("--only", action="append", default=[], help="run only cases whose label contains this")
     ap.add_argument("--speed", action="store_true", help="GenAI vs our ONNX Runtime backend decode speed instead")
     ap.add_argument("--threads", type=int, default=1, help="with --speed: intra-op threads of both")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    from training.model import count_params
+
+    args = build_parser().parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_onnx-"))
     try:
         t0 = time.perf_counter()
