@@ -2,7 +2,7 @@
 tools and ONNX Runtime GenAI, printed as Markdown and written as JSON + Markdown.
 
     python tests/benchmarks/bench_serving.py RUN_DIR [--threads N] [--prompt-tokens 128] [--gen-tokens 64]
-        [--only TEXT] [--out DIR]
+        [--only TEXT] [--rounds K] [--out DIR]
 
 Rows, whichever exist:
 - our Python path (serving.Backend): PyTorch fp32 (the run's latest checkpoint), ONNX fp32/int8/int4
@@ -213,6 +213,24 @@ def measure_llama_bench(path: Path, threads: int, prompt_tokens: int, gen_tokens
     return r
 
 
+MEDIAN_KEYS = ("load_s", "ttft_s", "gen_tps", "gen_cpu_s_per_token", "pp_tps", "peak_rss_bytes", "load1")
+
+
+def median_result(results: list[dict]) -> dict:
+    """One row's result from its rounds: the first successful round's record, with the median of each
+    timing over all successful rounds (every round's gen tok/s kept under gen_tps_rounds)."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[0]
+    out = dict(ok[0])
+    for key in MEDIAN_KEYS:
+        vals = [r[key] for r in ok if r.get(key) is not None]
+        if vals:
+            out[key] = statistics.median(vals)
+    out["gen_tps_rounds"] = [r.get("gen_tps") for r in ok]
+    return out
+
+
 def _children_cpu_s() -> float:
     u = resource.getrusage(resource.RUSAGE_CHILDREN)
     return u.ru_utime + u.ru_stime
@@ -313,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--only", action="append", default=[], metavar="TEXT", help="rows whose label contains TEXT")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every row this many times, interleaved "
+                    "(row after row, round after round), and report medians: a noisy machine drifts between rows")
     ap.add_argument("--out", type=Path, help=f"folder for {OUT_JSON} and {OUT_MD} (default: RUN_DIR)")
     ap.add_argument("--one", metavar="RUNNER", help=argparse.SUPPRESS)  # child mode: measure one file
     ap.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
@@ -329,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run.is_dir():
         print(f"error: not a run folder: {args.run}", file=sys.stderr)
         return 2
+    if args.rounds < 1:
+        print(f"error: --rounds {args.rounds}: must be at least 1", file=sys.stderr)
+        return 2
     out_dir = args.out or args.run
     if not out_dir.is_dir():
         print(f"error: --out {out_dir}: not a folder", file=sys.stderr)
@@ -342,15 +365,20 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as td:
         reference = Path(td) / "reference.npy"
-        for f in found:
-            f["results"], f["gen_tokens"] = {}, args.gen_tokens
-            for n in sorted({1, args.threads}):
-                print(f"measuring {f['label']} ({RUNTIME_NAMES[f['runner']]}, {f['path']}), {n} thread(s) ...",
-                      file=sys.stderr, flush=True)
-                f["results"][n] = run_child(f, n, args, reference)
+        runs: dict[tuple[int, int], list[dict]] = {}
+        for k in range(args.rounds):
+            for i, f in enumerate(found):
+                for n in sorted({1, args.threads}):
+                    print(f"round {k + 1}/{args.rounds}: measuring {f['label']} ({RUNTIME_NAMES[f['runner']]}, "
+                          f"{f['path']}), {n} thread(s) ...", file=sys.stderr, flush=True)
+                    runs.setdefault((i, n), []).append(run_child(f, n, args, reference))
+        for i, f in enumerate(found):
+            f["gen_tokens"] = args.gen_tokens
+            f["results"] = {n: median_result(runs[(i, n)]) for n in sorted({1, args.threads})}
     head = (f"Serving benchmark: {args.run}, prompt {args.prompt_tokens} tokens, {args.gen_tokens} new tokens, greedy; "
             f"{os.cpu_count()} CPUs, load average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. "
-            f"Ours and llama-bench: mean of {BENCH_REPETITIONS} runs; ONNX Runtime GenAI: best of {BENCH_REPETITIONS}.")
+            f"Ours and llama-bench: mean of {BENCH_REPETITIONS} runs; ONNX Runtime GenAI: best of {BENCH_REPETITIONS}"
+            + (f"; each row measured {args.rounds} times, interleaved, median shown." if args.rounds > 1 else "."))
     text = "\n\n".join([head, table(found, args.threads), *verdicts(found, args.threads)])
     print(text)
     record = {"run": str(args.run), "threads": args.threads, "prompt_tokens": args.prompt_tokens,
