@@ -23,6 +23,7 @@ import numpy as np
 from training.prepare.keys import SALT_EXACT, hash_key
 
 MAX_LOAD = 0.75
+KEY_BYTES = 8  # one uint64 slot per key
 MIN_SLOTS = 1 << 10
 U32 = np.uint64(0xFFFFFFFF)
 NGRAM_BASE = np.uint64(0x100000001B3)
@@ -164,6 +165,11 @@ class U64Set:
         self.size += keys.size
 
 
+def index_bytes_per_doc(keys_per_doc: int, load: float = MAX_LOAD) -> float:
+    """Index bytes one kept document costs with its keys filled to `load`."""
+    return keys_per_doc * KEY_BYTES / load
+
+
 class DedupIndex:
     """The order-dependent half of deduplication: first copy kept, later exact/near copies dropped.
 
@@ -173,7 +179,7 @@ class DedupIndex:
     everything indexed so far, but no longer added."""
 
     def __init__(self, max_index_mb: float, near: bool = True, bands: int = 14):
-        slots = int(max_index_mb * (1 << 20)) // 8
+        slots = int(max_index_mb * (1 << 20)) // KEY_BYTES
         exact_slots = slots // (1 + bands) if near else slots
         self.exact = U64Set(exact_slots)
         self.bands = U64Set(slots - exact_slots) if near else None
@@ -235,14 +241,17 @@ class DedupIndex:
             cap = min(cap, (self.bands.size + self.bands.room) // self.n_bands)
         return int(cap)
 
+    @property
+    def keys_per_doc(self) -> int:
+        return 1 + (self.n_bands if self.bands is not None else 0)
+
     def full_warning(self, kept_docs: int) -> str | None:
         """One line when indexing stopped (None otherwise): copies among the documents after that
         point were not caught, which a falling loss would never show. Says what to raise."""
         if self.full_after is None:
             return None
-        keys = 1 + (self.n_bands if self.bands is not None else 0)
-        mb_per_million = keys * 8 / MAX_LOAD  # bytes per document = MB per million documents
-        need_mb = kept_docs * keys * 8 / MAX_LOAD / (1 << 20)
+        mb_per_million = index_bytes_per_doc(self.keys_per_doc)  # bytes per document = MB per million documents
+        need_mb = kept_docs * mb_per_million / (1 << 20)
         return (f"warning: the dedup index ({self.max_bytes / 2**20:.0f} MiB) filled after {self.full_after:,} "
                 f"of {kept_docs:,} kept documents: later ones were checked against those but copies among "
                 f"them were kept; an index for all needs ~{need_mb:,.0f} MiB ({mb_per_million:.0f} MB per "

@@ -7,7 +7,7 @@ from training.fertility import format_table
 from training.gates import GateReport
 from training.prepare.clean import CleanResult
 from training.prepare.decontam import EvalIndex
-from training.prepare.dedup import MAX_LOAD
+from training.prepare.dedup import MAX_LOAD, index_bytes_per_doc
 from training.prepare.options import Options
 from training.prepare.quality import PrepConfig
 
@@ -34,8 +34,8 @@ def cleaning_sections(cr: CleanResult, opt: Options, cfg: PrepConfig, eval_index
                   "exact_duplicates": cr.dropped.get("exact_duplicate", 0),
                   "near_duplicates": cr.dropped.get("near_duplicate", 0),
                   "examples": {k: v for k, v in cr.examples.items() if k in DUPLICATES},
-                  "index_bytes_per_million_docs": [int(keys_per_doc * 8 / MAX_LOAD * 1e6),
-                                                   int(keys_per_doc * 8 / (MAX_LOAD / 2) * 1e6)],
+                  "index_bytes_per_million_docs": [int(index_bytes_per_doc(keys_per_doc) * 1e6),
+                                                   int(index_bytes_per_doc(keys_per_doc, MAX_LOAD / 2) * 1e6)],
                   **cr.dedup},
         "decontamination": {"enabled": eval_index is not None,
                             "ngram_words": cfg.decontam["ngram_words"], "min_words": cfg.decontam["min_words"],
