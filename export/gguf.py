@@ -175,8 +175,9 @@ def write_gguf(src: Source, path: Path, type_name: str = "F16", *, permute_qk: b
     return path
 
 
-def quantize_gguf(src_path: Path, dst_path: Path, type_name: str, *, nthread: int | None = None) -> Path:
-    """llama.cpp's own quantizer (what `llama-quantize` runs), from an F32/F16 GGUF."""
+def quantize_params(type_name: str, *, nthread: int | None = None, embedding_type: str | None = None):
+    """llama_model_quantize_params for `type_name`; `embedding_type` (a ggml type name such as F16)
+    overrides the type llama.cpp's mix gives token_embd (`llama-quantize --token-embedding-type`)."""
     lc = _llama_cpp()
     from llama_cpp import _logger  # noqa: F401  (installs llama-cpp-python's log callback)
 
@@ -184,6 +185,19 @@ def quantize_gguf(src_path: Path, dst_path: Path, type_name: str, *, nthread: in
     params = lc.llama_model_quantize_default_params()
     params.ftype = file_types()[type_name]
     params.nthread = nthread or os.cpu_count() or 1
+    if embedding_type is not None:
+        try:
+            params.token_embedding_type = int(gguf.GGMLQuantizationType[embedding_type])
+        except KeyError:
+            raise ExportError(f"unknown ggml type {embedding_type!r} for the token embedding") from None
+    return params
+
+
+def quantize_gguf(src_path: Path, dst_path: Path, type_name: str, *, nthread: int | None = None,
+                  embedding_type: str | None = None) -> Path:
+    """llama.cpp's own quantizer (what `llama-quantize` runs), from an F32/F16 GGUF."""
+    lc = _llama_cpp()
+    params = quantize_params(type_name, nthread=nthread, embedding_type=embedding_type)
     tmp = dst_path.with_name(dst_path.name + ".tmp")
     rc = lc.llama_model_quantize(str(src_path).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0 or not tmp.is_file():

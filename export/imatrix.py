@@ -319,13 +319,13 @@ def mean_squares(imatrix: Path) -> dict[str, np.ndarray]:
 
 
 def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *, threads: int | None = None,
-                          force: bool = False) -> Path:
+                          force: bool = False, embedding_type: str | None = None) -> Path:
     """`llama-quantize --imatrix IMATRIX SRC DST TYPE`, after check_imatrix, through the binding's
     llama_model_quantize: the same llama.cpp call the tool makes (its main() only loads the file
     into llama_model_imatrix_data), so no tool build is needed to quantize."""
     import ctypes
 
-    from export.gguf import _llama_cpp, file_types
+    from export.gguf import _llama_cpp, quantize_params
 
     src, dst, imatrix = Path(src), Path(dst), Path(imatrix)
     if type_name not in IMATRIX_TYPES:
@@ -334,9 +334,7 @@ def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *
         raise ExportError(f"{dst} exists; use --force to overwrite")
     check_imatrix(imatrix, src)
     lc = _llama_cpp()
-    from llama_cpp import _logger  # noqa: F401  (installs llama-cpp-python's log callback)
-
-    _logger.set_verbose(False)
+    params = quantize_params(type_name, nthread=threads, embedding_type=embedding_type)
     values = mean_squares(imatrix)
     keep = [np.ascontiguousarray(v, dtype=np.float32) for v in values.values()]  # alive during the call
     data = (lc.llama_model_imatrix_data * (len(keep) + 1))()
@@ -345,9 +343,6 @@ def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *
         data[i].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         data[i].size = v.size
     data[len(keep)].name = None  # the array's terminator
-    params = lc.llama_model_quantize_default_params()
-    params.ftype = file_types()[type_name]
-    params.nthread = threads or os.cpu_count() or 1
     params.imatrix = ctypes.cast(data, ctypes.POINTER(lc.llama_model_imatrix_data))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")

@@ -156,6 +156,7 @@ class _AllLogitsBatch:
             self.batch.n_seq_id[i] = 1
             self.batch.seq_id[i][0] = 0
             self.batch.logits[i] = 1
+        self._token, self._pos = self.batch.token, self.batch.pos  # the pointers, fetched once
 
     def fill(self, ids: list[int], pos0: int):
         n = len(ids)
@@ -163,6 +164,12 @@ class _AllLogitsBatch:
         ctypes.memmove(self.batch.token, tokens.ctypes.data, tokens.nbytes)  # both arrays alive here
         ctypes.memmove(self.batch.pos, positions.ctypes.data, positions.nbytes)
         self.batch.n_tokens = n
+        return self.batch
+
+    def one(self, token: int, pos: int):
+        """The batch holding one token at `pos`: the decode loop's per-token step, two stores."""
+        self._token[0], self._pos[0] = token, pos
+        self.batch.n_tokens = 1
         return self.batch
 
     def free(self) -> None:
@@ -191,6 +198,7 @@ class LlamaCppBackend:
         self._lock = threading.Lock()
         self._seed = seed
         self._batch = None  # the all-logits batch (logits()), made on first use
+        self._step = None  # the one-token batch of the decode loop, made on first use
         self.llm = open_llama(self.path, self.info.arch, n_ctx=n_ctx or 0, n_threads=threads,
                               n_threads_batch=threads, n_batch=n_batch, logits_all=False, seed=seed,
                               verbose=verbose, **kv)
@@ -367,16 +375,28 @@ class LlamaCppBackend:
             chain = self._sampler(params)
             try:
                 self._prefill(ids)
-                # per token: one sample and one decode call into llama.cpp (Llama.eval keeps
-                # llama-cpp-python's record of the cache, which the next request's prefix reuse reads)
+                # per token: one sample and one decode call into llama.cpp, through a batch made once.
+                # Not Llama.eval: its per-call Python (a cache trim, a batch refill, ctypes field
+                # lookups) cost ~10% of a small Q4_K_M model's decode (callgrind, docs/serving.md).
+                # llama-cpp-python's record of the cache (input_ids, n_tokens), which the next
+                # request's prefix reuse reads, is kept here as Llama.eval keeps it.
+                if self._step is None:
+                    self._step = _AllLogitsBatch(1)
+                ctx, one, llm = self.llm.ctx, self._step.one, self.llm
+                sample, decode = llama_cpp.llama_sampler_sample, llama_cpp.llama_decode
                 for n in range(1, limit + 1):
-                    tok = llama_cpp.llama_sampler_sample(chain, self.llm.ctx, -1)
+                    tok = sample(chain, ctx, -1)
                     if tok in self.eos_ids:
                         return
                     yield tok
                     if n == limit:
                         return
-                    self.llm.eval([tok])
+                    pos = llm.n_tokens
+                    rc = decode(ctx, one(tok, pos))
+                    if rc != 0:
+                        raise ServingError(f"{self.path.name}: llama_decode returned {rc}")
+                    llm.input_ids[pos] = tok
+                    llm.n_tokens = pos + 1
             finally:
                 llama_cpp.llama_sampler_free(chain)
 
@@ -384,9 +404,10 @@ class LlamaCppBackend:
         llm = getattr(self, "llm", None)
         if llm is not None:
             with self._lock:
-                if self._batch is not None:
-                    self._batch.free()
-                    self._batch = None
+                for batch in (self._batch, self._step):
+                    if batch is not None:
+                        batch.free()
+                self._batch = self._step = None
                 llm.close()
             self.llm = None
 

@@ -1,7 +1,8 @@
 """Benchmark: what an importance matrix buys, per GGUF type, on held-out Bangla.
 
     .venv/bin/python tests/benchmarks/bench_imatrix.py RUN [--text CALIB] [--heldout FILE]
-        [--types Q4_K_M,Q5_K_M,Q6_K,IQ4_XS] [--chunk 256] [--no-head] [--keep DIR] [--json FILE]
+        [--types Q4_K_M,Q5_K_M,Q6_K,IQ4_XS] [--chunk 256] [--no-head] [--embedding-type F16]
+        [--keep DIR] [--json FILE]
 
 For every type: plain (llama.cpp's quantizer, as `python -m export gguf` makes it) and imatrix
 (`llama-imatrix` on the calibration text, plus the tied head's entry from the PyTorch model unless
@@ -9,6 +10,11 @@ For every type: plain (llama.cpp's quantizer, as `python -m export gguf` makes i
 every position of the held-out text cut into context-length windows (tests/test_imatrix.py's
 `heldout_kl`): mean KL(fp32 || quantized) in nats and top-1 agreement. Prints a Markdown table with
 the ratio imatrix/plain. Needs llama.cpp's tools (`bash scripts/build_llama_tools.sh`).
+
+--embedding-type F16 keeps token_embd at F16 in both files (llama-quantize's --token-embedding-type):
+with tied embeddings token_embd is also the output head, which Q4_K_M stores as Q6_K and an importance
+matrix does not improve, so this separates the error the imatrix can act on (the blocks' matmuls)
+from the head's.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def importance_file(run: Path, f32: Path, out: Path, *, text: Path, chunk: int, 
 
 
 def bench(run: Path, work: Path, *, text: Path, heldout: Path, types: list[str], chunk: int, head: bool,
-          importance: str = "llama") -> dict:
+          importance: str = "llama", embedding_type: str | None = None) -> dict:
     src = load_source(run)
     t0 = time.perf_counter()
     f32 = write_gguf(src, work / "m-F32.gguf", "F32")
@@ -83,20 +89,20 @@ def bench(run: Path, work: Path, *, text: Path, heldout: Path, types: list[str],
     windows = heldout_windows(ref.tokenize(heldout.read_text(encoding="utf-8")), ref.tokenizer.bos_id, ref.n_ctx)
     rows = []
     for t in types:
-        plain = quantize_gguf(f32, work / f"m-{t}.gguf", t)
-        weighted = quantize_with_imatrix(f32, work / f"m-im-{t}.gguf", t, im, force=True)
+        plain = quantize_gguf(f32, work / f"m-{t}.gguf", t, embedding_type=embedding_type)
+        weighted = quantize_with_imatrix(f32, work / f"m-im-{t}.gguf", t, im, force=True, embedding_type=embedding_type)
         (kp, tp), (kw, tw) = score(plain, ref, windows), score(weighted, ref, windows)
         rows.append({"type": t, "kl_plain": kp, "kl_imatrix": kw, "ratio": kw / kp, "top1_plain": tp,
                      "top1_imatrix": tw})
     return {"run": str(run), "step": src.step,
             "calibration": text.name, "heldout": heldout.name, "chunk": chunk, "head": head, "importance": importance,
-            "positions": sum(len(w) for w in windows), "imatrix_s": round(t_imatrix, 1), "rows": rows}
+            "embedding_type": embedding_type, "positions": sum(len(w) for w in windows), "imatrix_s": round(t_imatrix, 1), "rows": rows}
 
 
 def table(res: dict) -> str:
     out = [f"{res['run']} (step {res['step']}), calibration {res['calibration']}, held-out {res['heldout']} "
            f"({res['positions']} positions), chunk {res['chunk']}, importance {res['importance']}, "
-           f"head entry {res['head']}", "",
+           f"head entry {res['head']}, token_embd {res.get('embedding_type') or 'as the type mixes it'}", "",
            "| type | KL plain | KL imatrix | ratio | top-1 plain | top-1 imatrix |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         out.append(f"| {r['type']} | {r['kl_plain']:.3e} | {r['kl_imatrix']:.3e} | {r['ratio']:.3f} | "
@@ -114,6 +120,8 @@ def main() -> None:
     ap.add_argument("--no-head", action="store_true", help="only llama-imatrix's entries (no tied-head entry)")
     ap.add_argument("--importance", default="llama", choices=IMPORTANCE,
                     help="llama: llama-imatrix; activation/fisher: from the PyTorch model; uniform: all ones")
+    ap.add_argument("--embedding-type", metavar="GGML_TYPE",
+                    help="token_embd's type in both files (e.g. F16), instead of the type's mix")
     ap.add_argument("--keep", type=Path, help="keep the GGUF files here")
     ap.add_argument("--json", type=Path, help="also write the results as JSON")
     a = ap.parse_args()
@@ -121,7 +129,7 @@ def main() -> None:
         work = a.keep or Path(td)
         work.mkdir(parents=True, exist_ok=True)
         res = bench(a.run, work, text=a.text, heldout=a.heldout, types=a.types.split(","), chunk=a.chunk,
-                    head=not a.no_head, importance=a.importance)
+                    head=not a.no_head, importance=a.importance, embedding_type=a.embedding_type)
     print(table(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
