@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--type", action="append", default=[], metavar="NAME", help="any llama.cpp file type, e.g. Q5_K_M")
     g.add_argument("--threads", type=flag(PositiveInt), default=None, help="quantizer threads (default: all cores)")
     g.add_argument("--imatrix", nargs="?", type=Path, const=IMATRIX_DEFAULT_TEXT, default=None, metavar="TEXT",
-                   help="quantize K/IQ types with an importance matrix computed by llama-imatrix on TEXT "
-                        "(default: the shipped Bangla calibration text); needs scripts/build_llama_tools.sh")
+                   help="quantize K/IQ types with an importance matrix (llama-imatrix's statistic, computed "
+                        "from the checkpoint) on TEXT (default: the shipped Bangla calibration text)")
     o = p.add_argument_group("onnx")
     o.add_argument("--int8", action="store_true")
     o.add_argument("--int4", action="store_true")
@@ -206,13 +206,9 @@ def check_options(args: argparse.Namespace) -> None:
                 canonical_type(t)
             except ExportError as e:
                 raise ExportError(f"--type: {e}") from None
-        if args.imatrix is not None:
-            from export.llama_tools import BUILD_HINT, missing_tools
-
-            if args.imatrix != IMATRIX_DEFAULT_TEXT and not args.imatrix.is_file():
-                raise ExportError(f"--imatrix calibration text not found: {args.imatrix}")
-            if missing := missing_tools(("llama-imatrix", "llama-quantize")):
-                raise ExportError(f"--imatrix needs {', '.join(missing)}; {BUILD_HINT}")
+        # no llama.cpp tool needed: the importance comes from PyTorch, the quantizer from the binding
+        if args.imatrix is not None and args.imatrix != IMATRIX_DEFAULT_TEXT and not args.imatrix.is_file():
+            raise ExportError(f"--imatrix calibration text not found: {args.imatrix}")
 
 
 def run(args: argparse.Namespace) -> int:
