@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from training.text import normalize
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "training" / "assets" / "calibration"
 DEFAULT_CALIBRATION = CALIBRATION_DIR / "calibration_bn.txt"
+# the check against a plain twin scores both files here: original Bangla, disjoint from the calibration
+HELDOUT_TEXT = Path(__file__).resolve().parents[1] / "training" / "assets" / "eval" / "heldout_bn.txt"
 IMATRIX_SUFFIX = ".imatrix.gguf"  # llama-imatrix's GGUF format (its default since 2025)
 IN_SUM2, COUNTS = ".in_sum2", ".counts"  # the two tensors llama-imatrix writes per weight
 DATASETS_KEY = "imatrix.datasets"
@@ -356,6 +359,44 @@ def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *
     return dst
 
 
+def heldout_windows(ids: list[int], bos: int, n_ctx: int) -> list[list[int]]:
+    """A token stream cut into n_ctx windows, each starting with BOS (as a prompt does)."""
+    body = ids[1:] if ids and ids[0] == bos else ids
+    step = n_ctx - 1
+    return [[bos, *body[i:i + step]] for i in range(0, len(body), step) if len(body[i:i + step]) >= 8]
+
+
+def versus_plain(base: Path, weighted: Path, type_name: str, *, heldout: Path = HELDOUT_TEXT,
+                 nthread: int | None = None) -> tuple[float, float]:
+    """(KL of the imatrix file, KL of the same type quantized without one) against the F32 base on the
+    held-out text: an importance matrix is not always better (on an under-trained model it made
+    Q4_K_M's KL 1.4-1.9x worse, docs/export.md), so the export measures the file it writes."""
+    from export.gguf import quantize_gguf
+    from serving.llamacpp import LlamaCppBackend
+    from training.logprobs import kl_rows
+
+    with tempfile.TemporaryDirectory(dir=weighted.parent) as td:
+        plain = quantize_gguf(base, Path(td) / f"plain-{type_name}.gguf", type_name, nthread=nthread)
+        ref = LlamaCppBackend(base, threads=nthread)
+        try:
+            text = heldout.read_text(encoding="utf-8")
+            ids = ref.tokenize(text)  # BOS first
+            windows = heldout_windows(ids, ids[0], ref.n_ctx) if ids else []
+            if not windows:
+                raise ExportError(f"{heldout}: held-out text too short to compare {weighted.name} with plain {type_name}")
+            refs = [ref.logits(w) for w in windows]
+        finally:
+            ref.close()
+        kls = []
+        for path in (weighted, plain):
+            b = LlamaCppBackend(path, threads=nthread)
+            try:
+                kls.append(float(np.concatenate([kl_rows(r, b.logits(w)) for r, w in zip(refs, windows, strict=True)]).mean()))
+            finally:
+                b.close()
+    return kls[0], kls[1]
+
+
 def export_gguf_imatrix(src, out_dir: Path, types: list[str], manifest, *, text: Path = DEFAULT_CALIBRATION,
                         force: bool = False, nthread: int | None = None) -> list[Path]:
     """The `python -m export gguf RUN --imatrix [TEXT]` path: F32/F16 as usual (export.gguf), the
@@ -391,8 +432,13 @@ def export_gguf_imatrix(src, out_dir: Path, types: list[str], manifest, *, text:
         for t in weighted:
             p = quantize_with_imatrix(base, targets[t], t, im_path, threads=nthread, force=force)
             info = inspect_gguf(p, t)
+            kl, kl_plain = versus_plain(base, p, t, nthread=nthread)
+            if kl > kl_plain:
+                print(f"warning: {p.name}: the importance matrix made {t} worse on held-out Bangla (KL vs F32 "
+                      f"{kl:.3e}, plain {kl_plain:.3e}); export without --imatrix for the plain file",
+                      file=sys.stderr)
             manifest.add(p, "gguf", t, tensor_types=info["tensor_types"], fallbacks=info["fallbacks"],
-                         imatrix=im_path.name, calibration=text.name)
+                         imatrix=im_path.name, calibration=text.name, heldout_kl=kl, heldout_kl_plain=kl_plain)
             written.append(p)
     finally:
         if tmp_base is not None:

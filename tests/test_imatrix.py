@@ -23,8 +23,10 @@ from conftest import ASSETS, REPO
 from export import ExportError
 from export.imatrix import (
     DEFAULT_CALIBRATION,
+    HELDOUT_TEXT,
     check_imatrix,
     compute_imatrix,
+    heldout_windows,
     imatrix_entries,
     mean_squares,
     quantize_with_imatrix,
@@ -33,7 +35,7 @@ from export.imatrix import (
 from export.llama_tools import missing_tools
 from training.logprobs import kl_rows
 
-HELDOUT = ASSETS / "eval" / "heldout_bn.txt"
+HELDOUT = HELDOUT_TEXT
 TOOLS = ("llama-imatrix", "llama-quantize")
 needs_tools = pytest.mark.skipif(bool(missing_tools(TOOLS)), reason=(
     f"opt-in: llama.cpp tools {', '.join(missing_tools(TOOLS))} not built; run `bash scripts/build_llama_tools.sh` "
@@ -51,13 +53,6 @@ MAX_WEIGHTED_ERROR_RATIO = 0.95
 MAX_KL_RATIO = float(os.environ.get("PRODIP_IMATRIX_MAX_RATIO", "1.25"))
 # PyTorch's importance vs llama-imatrix's on the same chunks of the same text: both fp32.
 MAX_IMPORTANCE_REL_DIFF = 1e-3
-
-
-def heldout_windows(tok_ids: list[int], bos: int, n_ctx: int) -> list[list[int]]:
-    """The held-out token stream cut into n_ctx windows, each starting with BOS (as a prompt does)."""
-    body = tok_ids[1:] if tok_ids and tok_ids[0] == bos else tok_ids
-    step = n_ctx - 1
-    return [[bos, *body[i:i + step]] for i in range(0, len(body), step) if len(body[i:i + step]) >= 8]
 
 
 def heldout_kl(ref, cand, windows: list[list[int]]) -> tuple[float, float]:
@@ -292,3 +287,42 @@ def test_shipped_calibration_text_is_disjoint_from_heldout_and_corpus():
     others = {ln.strip() for f in [HELDOUT, *sorted((ASSETS / "corpus").glob("*.txt"))]
               for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()}
     assert len(calib) >= 20 and not calib & others
+
+
+def test_export_q4_imatrix_measures_its_file_against_plain(tiny_run, tmp_path):
+    """`python -m export gguf RUN --q4 --imatrix` (README's command, on the shipped calibration text):
+    the imatrix file and Q4_K_M are written, and the manifest records both held-out KLs the export
+    measured (imatrix file and a plain twin, against the F32 base). No llama.cpp tool is needed."""
+    import json
+
+    out = tmp_path / "exp"
+    p = subprocess.run([sys.executable, "-m", "export", "gguf", str(tiny_run), "--q4", "--imatrix", "--no-parity",
+                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    (q4,) = [e for e in files.values() if e["format"] == "gguf" and e["type"] == "Q4_K_M"]
+    assert q4["imatrix"].endswith(".imatrix.gguf") and q4["calibration"] == DEFAULT_CALIBRATION.name
+    assert 0 < q4["heldout_kl"] < 0.05 and 0 < q4["heldout_kl_plain"] < 0.05
+    assert ("made Q4_K_M worse" in p.stderr) == (q4["heldout_kl"] > q4["heldout_kl_plain"])
+
+
+@needs_tools
+def test_versus_plain_catches_a_harmful_importance_matrix(quants, tmp_path):
+    """The export's check is not a formality: an importance matrix that weighs one input column of
+    every weight a million times above the rest quantizes Q4_K_M worse than no matrix at all, and
+    versus_plain says so; the real matrix's file stays within MAX_KL_RATIO of its plain twin."""
+    from export.imatrix import read_imatrix, versus_plain, write_imatrix
+
+    skewed = {}
+    for name, (sums, counts) in read_imatrix(quants["imatrix"]).items():
+        s = np.full_like(sums, 1e-6)
+        s[..., 0] = 1e6
+        skewed[name] = (s, counts)
+    bad_im = write_imatrix(skewed, tmp_path / "skewed.imatrix.gguf", datasets=["skewed"], chunk_count=1, chunk_size=256)
+    bad = quantize_with_imatrix(quants["F32"], tmp_path / "m-bad-Q4_K_M.gguf", "Q4_K_M", bad_im)
+    kl_bad, kl_plain = versus_plain(quants["F32"], bad, "Q4_K_M", nthread=1)
+    kl_good, kl_plain2 = versus_plain(quants["F32"], quants["im-Q4_K_M"], "Q4_K_M", nthread=1)
+    print(f"\nheld-out KL vs F32: plain {kl_plain:.3e}, llama-imatrix {kl_good:.3e}, skewed {kl_bad:.3e}")
+    assert kl_plain2 == pytest.approx(kl_plain)  # the same plain twin both times
+    assert kl_bad > MAX_KL_RATIO * kl_plain > 0  # the harm the export warns about, well past the gate
+    assert kl_good <= MAX_KL_RATIO * kl_plain  # the real matrix: within the gate (1.10x on this model)
