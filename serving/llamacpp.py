@@ -351,8 +351,9 @@ class LlamaCppBackend:
 
     def _prefill(self, ids: list[int]) -> None:
         """Decode the prompt. When the KV cache holds a strict prefix of it (a chat's earlier turns and
-        reply), only the rest is decoded; otherwise the cache starts empty. Only Llama's methods change
-        its record of the cache (reset, eval), so a wrapper around `self.llm` sees every entry."""
+        reply), only the rest is decoded; otherwise the cache starts empty. Llama's record of the cache
+        changes through its methods (reset, eval) and the decode loop's two attribute writes (input_ids,
+        n_tokens), so a wrapper around `self.llm` sees every entry and must forward attribute writes."""
         held = self.llm.n_tokens
         if not (0 < held < len(ids) and np.array_equal(self.llm.input_ids[:held], ids[:held])):
             self._clear()

@@ -100,6 +100,14 @@ class EntryGuard:
         finally:
             self._exit()
 
+    def __setattr__(self, name: str, value) -> None:
+        """A transparent wrapper: writes to the Llama's state (the backend's decode loop keeps its cache
+        record, input_ids and n_tokens, there) go to the Llama; the guard's own fields stay here."""
+        if name.startswith("_") or name in ("active", "max_active", "entries"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._llm, name, value)
+
     def __getattr__(self, name: str):
         attr = getattr(self._llm, name)
         if not callable(attr) or name in self.VOCABULARY_ONLY:
