@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from training.cli import guarded
+from training.cli import ArgumentParser, run_main
 from training.schema import Port, PositiveInt, flag
 
 HOST_PORT_FLAGS = "--host/--port"
@@ -21,7 +21,7 @@ HOST_PORT_FLAGS = "--host/--port"
 def build_parser() -> argparse.ArgumentParser:
     from demo.models import DEFAULT_HOST, DEFAULT_PORT
 
-    ap = argparse.ArgumentParser(prog="python -m demo", description="Bangla chat demo (Gradio)")
+    ap = ArgumentParser(prog="python -m demo", description="Bangla chat demo (Gradio)")  # one `error:` line
     ap.add_argument("--model", type=Path, help=".gguf / .onnx / run or checkpoint folder (default: the quickstart's)")
     ap.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST}: this machine only)")
     ap.add_argument("--port", type=flag(Port), default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}; 0 = any free port")
@@ -57,8 +57,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return guarded(lambda: run(args), debug=args.debug)
+    return run_main(build_parser(), argv, run)
 
 
 if __name__ == "__main__":

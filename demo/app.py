@@ -35,7 +35,7 @@ from demo.models import (
 )
 from demo.tokens import MAX_TOKENIZE_CHARS, N_COLOURS, token_view
 from serving import Backend, SamplingParams, load
-from serving.chat_session import PromptTooLong, chat_stream
+from serving.chat_session import PromptTooLong, chat_stream, chat_tuned, completion_stream
 from training.evaluate.generate import PROMPTS, read_prompts
 
 __all__ = ["DemoError", "ModelEntry", "build_app", "default_model", "discover_models", "launch"]
@@ -64,6 +64,8 @@ COMPARE_HELP = ("একই প্রম্পট দুটি মডেলে, �
 TOKENS_HELP = ("বাংলা লেখা দিন: প্রতিটি টোকেন আলাদা রঙে, আর প্রতি টোকেনে কত অক্ষর — বাইট-স্তরের টোকেনাইজারের পাশে। "
                "(Each token in its own colour; characters per token beside a byte-level tokenizer.)")
 TOKENS_EXAMPLE = "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি। চিরদিন তোমার আকাশ, তোমার বাতাস।"
+BASE_NOTICE = ("ভিত্তি মডেল (base model, not chat-tuned): এটি চ্যাট শেখেনি, তাই আপনার লেখাটি চালিয়ে যাচ্ছে "
+               "(it continues your text instead of answering).")
 TOKEN_COLOURS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fecaca", "#ddd6fe", "#fed7aa")[:N_COLOURS]
 
 
@@ -89,6 +91,11 @@ class ModelPool:
                 except (ValueError, OSError) as err:
                     raise DemoError(f"মডেলটি খোলা গেল না (could not load {e.path}): {err}") from None
         return self._backends[label], self._locks[label]
+
+    def chat_tuned(self, label: str) -> bool | None:
+        """Whether the model was chat fine-tuned (GGUF metadata, else its run files); None: unknown."""
+        backend, _ = self.get(label)
+        return chat_tuned(backend, self.entries[label].path)
 
     def close(self) -> None:
         for b in self._backends.values():
@@ -117,10 +124,13 @@ def history_to_messages(history: list[dict] | None) -> list[dict]:
     return out
 
 
-def format_stats(label: str, tokens: int, tps: float | None, ttft: float | None) -> str:
+def format_stats(runtime: str, tokens: int, tps: float | None, ttft: float | None, invalid_bytes: int = 0) -> str:
+    """The status line under a reply: speed, and which runtime answered (e.g. llama.cpp-Q4_K_M).
+    Plain text: no emoji, whose glyphs the page's fonts do not have (they would show as boxes)."""
     speed = f"{tps:.1f} টোকেন/সেকেন্ড" if tps else "— টোকেন/সেকেন্ড"
     first = f" · প্রথম টোকেন {ttft * 1000:.0f} ms" if ttft is not None else ""
-    return f"⚡ {speed} · {tokens} টোকেন{first} · {label}"
+    bad = f" · {invalid_bytes}টি অবৈধ বাইট-ক্রম বাদ (invalid UTF-8 dropped)" if invalid_bytes else ""
+    return f"{speed} · {tokens} টোকেন{first}{bad} · উত্তর দিয়েছে (answered by) {runtime}"
 
 
 def make_respond(pool: ModelPool):
@@ -138,19 +148,24 @@ def make_respond(pool: ModelPool):
                                     top_p=float(top_p), repetition_penalty=float(repetition_penalty),
                                     seed=None if seed is None or int(seed) < 0 else int(seed)).validate()
             backend, lock = pool.get(model_label)
-            messages = [*history_to_messages(history), {"role": "user", "content": message}]
-            prepared, stream = chat_stream(backend, messages, params, lock)
+            if pool.chat_tuned(model_label) is False:  # a base model: it never learned the chat template
+                prepared, stream = None, completion_stream(backend, message, params, lock)
+            else:
+                messages = [*history_to_messages(history), {"role": "user", "content": message}]
+                prepared, stream = chat_stream(backend, messages, params, lock)
         except PromptTooLong as e:
             raise gr.Error(f"বার্তাটি মডেলের প্রসঙ্গসীমার ({backend.n_ctx} টোকেন) চেয়ে লম্বা; ছোট করে লিখুন। ({e})") from None
         except ValueError as e:
             raise gr.Error(str(e)) from None
         notice = ""
-        if prepared.dropped:
-            notice = (f"ℹ️ কথোপকথন প্রসঙ্গসীমা ছাড়িয়ে গেছে: পুরোনো {prepared.dropped}টি বার্তা বাদ দেওয়া হয়েছে। "
+        if prepared is None:
+            notice = BASE_NOTICE + "\n\n"
+        elif prepared.dropped:
+            notice = (f"কথোপকথন প্রসঙ্গসীমা ছাড়িয়ে গেছে: পুরোনো {prepared.dropped}টি বার্তা বাদ দেওয়া হয়েছে। "
                       f"({prepared.notice})\n\n")
             gr.Info(f"পুরোনো {prepared.dropped}টি বার্তা বাদ দেওয়া হয়েছে।")
         shown = [*(history or []), {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-        yield "", shown, notice + "⏳ লিখছি…"
+        yield "", shown, notice + "লিখছি…"
         reply = ""
         pieces = iter(stream)
         try:
@@ -158,8 +173,8 @@ def make_respond(pool: ModelPool):
                 reply += piece
                 shown[-1] = {"role": "assistant", "content": reply}
                 s = stream.stats
-                yield "", shown, notice + format_stats(model_label, s.completion_tokens, s.tokens_per_s,
-                                                       s.time_to_first_token_s)
+                yield "", shown, notice + format_stats(backend.name, s.completion_tokens, s.tokens_per_s,
+                                                       s.time_to_first_token_s, s.invalid_bytes)
         finally:
             # A closed tab makes Gradio close this generator mid-reply: close the stream now (not at garbage
             # collection), so the generation stops and the model's lock is free for the next user.
@@ -167,8 +182,8 @@ def make_respond(pool: ModelPool):
         s = stream.stats
         if not reply:
             shown[-1] = {"role": "assistant", "content": "…"}  # the model ended its turn at once
-        yield "", shown, notice + format_stats(model_label, s.completion_tokens, s.tokens_per_s,
-                                               s.time_to_first_token_s)
+        yield "", shown, notice + format_stats(backend.name, s.completion_tokens, s.tokens_per_s,
+                                               s.time_to_first_token_s, s.invalid_bytes)
 
     return respond
 
@@ -181,7 +196,7 @@ def card_markdown(pool: ModelPool, label: str) -> str:
     try:
         backend, _ = pool.get(label)
     except DemoError as e:
-        return f"{model_card(entry).markdown()}\n\n⚠️ {e}"
+        return f"{model_card(entry).markdown()}\n\n**সতর্কতা (warning):** {e}"
     return model_card(entry, backend).markdown()
 
 
@@ -292,7 +307,8 @@ def build_app(entries: list[ModelEntry], threads: int | None = None) -> tuple[gr
         with gr.Tab(TOKENS_TAB, id="tokens"):
             gr.Markdown(TOKENS_HELP)
             with gr.Row():
-                tok_text = gr.Textbox(value=TOKENS_EXAMPLE, label="লেখা (text)", lines=3, max_lines=10,
+                # lines=1: Enter submits (as in the chat box); long text still wraps, up to max_lines
+                tok_text = gr.Textbox(value=TOKENS_EXAMPLE, label="লেখা (text)", lines=1, max_lines=10,
                                       elem_id="tokens-text", scale=3)
                 tok_model = gr.Dropdown(labels, value=labels[0], label="কোন মডেলের টোকেনাইজার (tokenizer of)")
             tok_go = gr.Button(TOKENS_BUTTON, variant="primary", elem_id="tokens-go")
@@ -310,10 +326,13 @@ def build_app(entries: list[ModelEntry], threads: int | None = None) -> tuple[gr
         show_card = partial(card_markdown, pool)
         model.change(show_card, model, card, api_name="card")
         app.load(show_card, model, card, api_visibility="private")
-        cmp_go.click(make_compare(pool), [cmp_prompt, model_a, model_b, cmp_tokens, cmp_mode],
-                     [cmp_summary, out_a, out_b], api_name="compare", **common)
-        tok_inputs = [tok_text, tok_model]
-        tok_go.click(make_tokenize(pool), tok_inputs, [tok_spans, tok_table], api_name="tokenize")
+        # Enter in a single-purpose text box does what its button does
+        cmp_args = (make_compare(pool), [cmp_prompt, model_a, model_b, cmp_tokens, cmp_mode], [cmp_summary, out_a, out_b])
+        cmp_go.click(*cmp_args, api_name="compare", **common)
+        cmp_prompt.submit(*cmp_args, api_visibility="private", **common)
+        tok_args = (make_tokenize(pool), [tok_text, tok_model], [tok_spans, tok_table])
+        tok_go.click(*tok_args, api_name="tokenize")
+        tok_text.submit(*tok_args, api_visibility="private")
     app.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     return app, pool
 

@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demo.models import ModelEntry
+from demo.models import ModelEntry, parity_result
 from serving import Backend, describe
+from serving.chat_session import chat_tuned, run_chat_tuned
 from serving.chat_session import is_prodip as serves_prodip
 from training import layout
 from training.checkpoint import latest
@@ -30,6 +31,9 @@ FOREIGN_SKIP = ("file", "kind", "prodip")  # already on the card
 MAX_INIT_HOPS = 8  # fine-tune of a fine-tune of ...: the chain behind a run is followed this far
 EVAL_JSON = OUTPUT_FILES[0]
 TWIN_NAME, MODEL_NAME = "twin", "model"  # training.evaluate's model names in eval.json
+MODEL_TYPE = {True: "chat-tuned (SFT): replies through the chat template",
+              False: "base model (pretrained, not chat-tuned): the demo continues your text instead of chatting",
+              None: "not recorded (no run files or GGUF metadata say): chats through the chat template"}
 FOREIGN_NOTE = ("foreign GGUF (not written by prodip): prodip's checks — our tokenizer, parity against the "
                 "fp32 checkpoint, training gates — do not apply to it")
 
@@ -168,26 +172,21 @@ def gates_row(chain: list[tuple[Path, dict]]) -> str:
 def parity_row(entry: ModelEntry, run: Path | None) -> str:
     if entry.backend == "torch":
         return "the fp32 reference itself (PyTorch checkpoint)"
-    rep = _json(run / layout.EXPORT / layout.PARITY_JSON, "parity report") if run is not None else None
-    if not rep:
-        return NOT_MEASURED
-    mine = entry.path.resolve()
-    for r in rep.get("backends") or []:
-        f = Path(str(r.get("file", ""))) if isinstance(r, dict) else None
-        if f is None or not f.name:
-            continue
-        if f.resolve() == mine or (f.name == entry.path.name and f.parent.name == entry.path.parent.name):
-            verdict = "pass" if r.get("passed") else "FAIL: " + "; ".join(map(str, r.get("failures") or []))
-            top1, kl = r.get("top1"), r.get("kl")
-            nums = []
-            if isinstance(top1, (int, float)):
-                nums.append(f"top-1 agreement {top1:.1%}")
-            if isinstance(kl, (int, float)):
-                nums.append(f"mean KL {kl:.2e}")
-            if r.get("greedy_total"):
-                nums.append(f"greedy tokens {r.get('greedy_match')}/{r.get('greedy_total')}")
-            return f"{verdict} ({', '.join(nums)})" if nums else verdict
-    return f"{NOT_MEASURED} for this file (python -m export parity {run})"
+    if run is None or not isinstance(_json(run / layout.EXPORT / layout.PARITY_JSON, "parity report"), dict):
+        return NOT_MEASURED  # none, or unreadable
+    r = parity_result(run, entry.path)
+    if r is None:
+        return f"{NOT_MEASURED} for this file (python -m export parity {run})"
+    verdict = "pass" if r.get("passed") else "FAIL: " + "; ".join(map(str, r.get("failures") or []))
+    top1, kl = r.get("top1"), r.get("kl")
+    nums = []
+    if isinstance(top1, (int, float)):
+        nums.append(f"top-1 agreement {top1:.1%}")
+    if isinstance(kl, (int, float)):
+        nums.append(f"mean KL {kl:.2e}")
+    if r.get("greedy_total"):
+        nums.append(f"greedy tokens {r.get('greedy_match')}/{r.get('greedy_total')}")
+    return f"{verdict} ({', '.join(nums)})" if nums else verdict
 
 
 def is_prodip(backend: Backend | None) -> bool:
@@ -218,6 +217,8 @@ def model_card(entry: ModelEntry, backend: Backend | None = None) -> Card:
         return card
     if info.get("quant"):
         rows.append(("quantization", str(info["quant"])))
+    rows.append(("model type", MODEL_TYPE[chat_tuned(backend, entry.path) if backend is not None
+                                          else run_chat_tuned(entry.path)]))
     run = layout.run_dir_of(entry.path)
     chain = run_chain(run)
     if chain:

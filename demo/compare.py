@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from demo.tokens import Span, spans
 from serving import Backend, SamplingParams
-from serving.chat_session import prepare_chat, prepare_completion, text_decoder
+from serving.chat_session import bytes_decoder, prepare_chat, prepare_completion
 
 MAX_COMPARE_TOKENS = 256  # both models run one after the other while the user waits
 DEFAULT_COMPARE_TOKENS = 48
@@ -56,7 +56,7 @@ class Comparison:
     def summary(self) -> str:
         basis = "token ids (same tokenizer)" if self.by_id else "token texts (different tokenizers)"
         if self.diverge is None:
-            return f"✅ identical: {self.a.tokens} tokens, compared by {basis}."
+            return f"identical: {self.a.tokens} tokens, compared by {basis}."
 
         def tok(side: Side) -> str:
             if self.diverge >= len(side.spans):
@@ -64,7 +64,7 @@ class Comparison:
             s = side.spans[self.diverge]
             return f"{s.text!r} (id {', '.join(map(str, s.ids))})"
 
-        return (f"↔️ first difference at generated token {self._token_index(self.a)} of {self.a.name} / "
+        return (f"first difference at generated token {self._token_index(self.a)} of {self.a.name} / "
                 f"{self._token_index(self.b)} of {self.b.name}, after {self.diverge} matching tokens "
                 f"(compared by {basis}): {self.a.name} → {tok(self.a)}, {self.b.name} → {tok(self.b)}.")
 
@@ -91,7 +91,7 @@ def greedy_side(backend: Backend, lock: threading.Lock, prompt: str, max_new_tok
             close = getattr(gen, "close", None)
             if close is not None:
                 close()
-    return Side(backend.name, ids, spans(text_decoder(backend), out))
+    return Side(backend.name, ids, spans(bytes_decoder(backend), out))
 
 
 def compare(a: Side, b: Side) -> Comparison:

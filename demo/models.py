@@ -44,8 +44,47 @@ def entry_for(path: Path) -> ModelEntry:
     return ModelEntry(f"torch · {(ckpt or path).name}", path, "torch")
 
 
+ON_DEVICE = ("llama.cpp", "onnx")  # the files the project ships, in the order the demo prefers them
+
+
+def parity_result(run: Path | None, path: Path) -> dict | None:
+    """This file's entry of RUN/export/parity.json (python -m export parity), or None if not measured."""
+    try:
+        rep = layout.read_json(run / layout.EXPORT / layout.PARITY_JSON, "parity report") if run is not None else None
+    except (layout.LayoutError, OSError):
+        return None
+    mine = path.resolve()
+    for r in (rep or {}).get("backends") or []:
+        f = Path(str(r.get("file", ""))) if isinstance(r, dict) else None
+        if f is not None and f.name and (f.resolve() == mine or (f.name == path.name and f.parent.name == path.parent.name)):
+            return r
+    return None
+
+
+def file_size(path: Path) -> int:
+    """Bytes on disk: a file, or everything in a folder (an ONNX folder with its external data)."""
+    try:
+        return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    except OSError:
+        return 0
+
+
+def rank(entries: list[ModelEntry], run: Path | None) -> list[ModelEntry]:
+    """The default first: on-device files that passed parity (GGUF before ONNX, the smallest first: the
+    Q4_K_M GGUF of a quickstart); then the PyTorch checkpoint (the reference); then on-device files whose
+    parity failed or was never measured (never the default: nothing says they answer as the model does)."""
+    def key(e: ModelEntry) -> tuple[int, int, int]:
+        on_device = e.backend in ON_DEVICE
+        passed = on_device and bool((parity_result(run, e.path) or {}).get("passed"))
+        order = ON_DEVICE.index(e.backend) if on_device else len(ON_DEVICE)
+        return (0 if passed else 2 if on_device else 1, order, file_size(e.path) if on_device else 0)
+
+    return sorted(entries, key=key)
+
+
 def discover_models(model: Path) -> list[ModelEntry]:
-    """`model` first, then every .gguf / .onnx / checkpoint of its run (export dir and checkpoints)."""
+    """Every .gguf / .onnx / checkpoint of `model`'s run (export dir and checkpoints). A file named by
+    `model` comes first (the user picked it); for a run or checkpoint folder, `rank` picks the default."""
     if not model.exists():
         raise DemoError(f"model not found: {model}; {QUICKSTART_HINT}")
     entries = [entry_for(model)]
@@ -62,7 +101,9 @@ def discover_models(model: Path) -> list[ModelEntry]:
             if p.resolve() not in seen:
                 seen.add(p.resolve())
                 entries.append(entry_for(p))
-    return entries
+    if model.suffix in (".gguf", ".onnx"):
+        return [entries[0], *rank(entries[1:], run)]
+    return rank(entries, run)
 
 
 def quickstart_gguf_dir(out: Path) -> Path:

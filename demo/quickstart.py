@@ -8,6 +8,7 @@ exists, so a second run opens the demo at once. Everything lands under --out:
     OUT/data/   the prepared corpus (tokenizer, shards, fertility report)
     OUT/base/   the pretrained run          OUT/chat/  the chat fine-tuned run
     OUT/chat/export/{hf/, onnx/, gguf/chat-Q4_K_M.gguf (and -F16, -Q8_0), parity.md, README.md}
+    OUT/chat/eval/eval.json   bits/byte of the model and of its random-init twin (the demo's card)
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from training import checkpoint as ckpt
 from training import layout
 from training.cli import ArgumentParser, run_main
 from training.config import TrainConfig
+from training.evaluate.cli import EVAL_DIR
+from training.evaluate.report import OUTPUT_FILES
 from training.model import preset_names
 from training.prepare.sources import HF_PREFIX
 from training.schema import Port, flag
@@ -47,6 +50,7 @@ DEFAULT_CORPUS = ASSETS / "corpus"
 DEFAULT_CHAT = ASSETS / "chat" / "prodip_chat_bn.jsonl"
 TRAIN_PY = Path(training.__file__).resolve().parent / "train.py"
 SFT_PY = Path(training.__file__).resolve().parent / "sft.py"
+EVAL_JSON = OUTPUT_FILES[0]  # eval.json
 EXIT_PARITY_BREACH = 1  # `python -m export`: files written, a parity threshold breached
 
 # The recipe, chosen by measured held-out bits per byte (training/assets/eval/heldout_bn.txt) in short
@@ -157,10 +161,17 @@ def build(a: argparse.Namespace) -> bool:
                       "--warmup-steps", SFT_WARMUP, "--eval-every", every, "--save-every", every,
                       "--log-every", "10", *early_stop_flags()])
     parity = chat / layout.EXPORT / layout.PARITY_JSON
+    breached = None
     if not parity.is_file():
         rc = stage("export + parity", [py, "-m", "export", "all", str(chat), "--q8", "--q4", "--f16", "--int8", "--int4"],
                    tolerate=(EXIT_PARITY_BREACH,))
-        return rc == EXIT_PARITY_BREACH
+        breached = rc == EXIT_PARITY_BREACH
+    # the card's "bits/byte vs random-init twin" (seconds at this size); after export, so the exported
+    # model card (export/README.md) gets the evaluation section too
+    if not (chat / EVAL_DIR / EVAL_JSON).is_file():
+        stage("evaluate vs twin", [py, "-m", "training.evaluate", str(chat), "--no-progress"])
+    if breached is not None:
+        return breached
     return not layout.read_json(parity, "parity report").get("passed", False)
 
 

@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from serving import Backend
-from serving.chat_session import REPLACEMENT_CHAR, text_decoder
+from serving.chat_session import bytes_decoder
 from training.text import normalize
+from training.wellformed import byte_marker, decode_utf8
 
 MAX_TOKENIZE_CHARS = 4000  # the tab's input cap (as the chat's): decoding every prefix is quadratic
 N_COLOURS = 6  # token spans cycle through this many colours
@@ -26,16 +27,18 @@ class Span:
     ids: tuple[int, ...]  # one token, or a few byte-fallback tokens that make one character
 
 
-def spans(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> list[Span]:
-    """Split `ids` into spans, each the text its tokens add to the decoded prefix. Byte-fallback
-    tokens that spell one multi-byte character together form one span (alone they decode to U+FFFD)."""
+def spans(decode: Callable[[Sequence[int]], bytes], ids: Sequence[int]) -> list[Span]:
+    """Split `ids` into spans, each the text its tokens add to the decoded prefix (`decode`: ids -> raw
+    bytes, serving.chat_session.bytes_decoder). Byte-fallback tokens that spell one multi-byte character
+    together form one span; bytes that never become UTF-8 show as their piece names (<0xE0>), never U+FFFD."""
     out: list[Span] = []
     done = ""  # decoded text of the tokens already in spans
     start = 0
     for i in range(len(ids)):
-        text = decode(list(ids[:i + 1]))
-        if text.endswith(REPLACEMENT_CHAR) and i + 1 < len(ids):
+        u = decode_utf8(decode(list(ids[:i + 1])), final=i + 1 == len(ids), mark=byte_marker)
+        if u.pending:
             continue  # the rest of a character is in the next tokens
+        text = u.text
         piece = text[len(done):] if text.startswith(done) else text  # decoders may trim a leading space
         out.append(Span(piece, tuple(ids[start:i + 1])))
         done, start = text, i + 1
@@ -77,4 +80,4 @@ class TokenView:
 def token_view(backend: Backend, text: str) -> TokenView:
     text = normalize(text)
     ids = backend.tokenize(text, bos=False)
-    return TokenView(spans(text_decoder(backend), ids), len(text), len(text.encode("utf-8")))
+    return TokenView(spans(bytes_decoder(backend), ids), len(text), len(text.encode("utf-8")))

@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 
 from export import ExportError
-from export.manifest import Manifest, Source, default_out_dir, human_size, load_source
+from export.manifest import (
+    Manifest,
+    Source,
+    default_out_dir,
+    human_size,
+    is_export_folder,
+    load_source,
+    made_folder,
+)
 from training import layout
 from training.cli import ArgumentParser, run_main
 from training.schema import NonNegInt, PositiveInt, flag
@@ -137,12 +145,28 @@ def check_out(src: Source, out: Path, args: argparse.Namespace) -> Manifest:
     existing = [p for p in planned_files(src, out, args) if p.exists()]
     if existing and not args.force:
         raise ExportError(f"{existing[0]} exists; use --force to overwrite (nothing was written)")
+    if not args.force and not is_export_folder(out):  # a user's folder: its README.md is not our card
+        raise ExportError(f"--out {out}: holds files but no {layout.MANIFEST}, so it is not a prodip export folder; "
+                          "use a new or empty folder, or --force to write into it (nothing was written)")
     return manifest
 
 
 def write_exports(src: Source, out: Path, manifest: Manifest, args: argparse.Namespace) -> Manifest:
-    """Every requested format into `out`, each recorded in the manifest as soon as it is written."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Every requested format into `out`, each recorded in the manifest as soon as it is written. The
+    manifest is written first (it marks the folder as prodip's); a command that fails before any
+    export is recorded takes its manifest and the folders it made away again."""
+    marked = (out / layout.MANIFEST).is_file()
+    with made_folder(out):
+        manifest.save()
+        try:
+            return _write_exports(src, out, manifest, args)
+        except BaseException:
+            if not marked and not manifest.data["files"]:
+                (out / layout.MANIFEST).unlink(missing_ok=True)
+            raise
+
+
+def _write_exports(src: Source, out: Path, manifest: Manifest, args: argparse.Namespace) -> Manifest:
     if args.command in ("safetensors", "all"):
         from export.hf import export_hf
 
@@ -211,6 +235,42 @@ def check_options(args: argparse.Namespace) -> None:
             raise ExportError(f"--imatrix calibration text not found: {args.imatrix}")
 
 
+def compared_kinds(manifest: Manifest, args: argparse.Namespace) -> set[str]:
+    """The parity kinds (export.parity's threshold kinds, the backends' names) the parity run after this
+    command compares: what the manifest lists already plus what the command writes."""
+    from export.gguf import canonical_type
+
+    kinds: set[str] = set()
+    for rel, e in manifest.files().items():
+        if e["format"] == "hf" and rel.endswith(layout.MODEL_WEIGHTS):
+            kinds |= {"safetensors", "transformers"}
+        elif e["format"] == "onnx" and rel.endswith(".onnx"):
+            kinds.add(f"onnx-{e['type']}")
+        elif e["format"] == "gguf" and rel.endswith(".gguf"):
+            kinds.add(f"llama.cpp-{e['type']}")
+    if args.command in ("safetensors", "all"):
+        kinds |= {"safetensors", "transformers"}
+    if args.command in ("onnx", "all"):
+        kinds |= {f"onnx-{v}" for v, on in (("fp32", True), ("int8", args.int8), ("int4", args.int4)) if on}
+    if args.command in ("gguf", "all"):
+        kinds |= {f"llama.cpp-{canonical_type(t)}" for t in gguf_types(args)}
+    return kinds
+
+
+def check_threshold_kinds(manifest: Manifest, args: argparse.Namespace) -> None:
+    """A --threshold that no comparison would read is refused by name, never silently ignored."""
+    if not args.threshold:
+        return
+    if args.no_parity and args.command != "parity":
+        raise ExportError(f"--threshold {args.threshold[0]}: no parity run reads it with --no-parity")
+    kinds = compared_kinds(manifest, args)
+    for item in args.threshold:
+        kind = item.partition("=")[0].rpartition(".")[0]
+        if kind not in kinds:
+            raise ExportError(f"--threshold {item}: {kind} is not exported, so the parity run never compares it "
+                              f"(it compares: {', '.join(sorted(kinds)) or 'nothing'}); nothing was written")
+
+
 def run(args: argparse.Namespace) -> int:
     from export.card import write_card
     from export.parity import parse_thresholds, run_parity
@@ -223,11 +283,14 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_out_dir(src)
     if args.command == "parity":
         manifest = Manifest.read(out)
+        check_threshold_kinds(manifest, args)
         if manifest.data["source"]["checkpoint"] != str(src.path.resolve()):
             print(f"note: {out} holds exports of {manifest.data['source']['checkpoint']}", file=sys.stderr)
             src = load_source(manifest.data["source"]["checkpoint"])
     else:
-        manifest = write_exports(src, out, check_out(src, out, args), args)
+        manifest = check_out(src, out, args)
+        check_threshold_kinds(manifest, args)
+        manifest = write_exports(src, out, manifest, args)
     passed = True
     if args.command == "parity" or not args.no_parity:
         kw = {"n_new": args.new_tokens} if args.new_tokens else {}

@@ -112,6 +112,11 @@ def run_cli(args: argparse.Namespace) -> int:
         raise EvalError(f"--reference not found: {args.reference}")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise EvalError(f"--out {args.out}: exists and is not a folder")
+    if args.n_ctx:  # a context beyond the trained one is refused by value, not silently cut to it
+        for f in files:
+            trained = trained_context(f)
+            if trained and args.n_ctx > trained:
+                raise EvalError(f"--n-ctx {args.n_ctx}: beyond the context {f} was trained with ({trained} tokens)")
     req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride)
     out_dir, card = default_out(files)
     out_dir = Path(args.out) if args.out else out_dir
@@ -132,6 +137,8 @@ def run_cli(args: argparse.Namespace) -> int:
         n_ctx = min(c for c in (args.n_ctx, trained) if c) if (args.n_ctx or trained) else None
         backend = serving.load(f, args.backend, **load_kwargs(f, args.backend, n_ctx, args.threads))
         try:
+            if args.n_ctx and args.n_ctx > backend.n_ctx:  # an ONNX model's context is known once it is open
+                raise EvalError(f"--n-ctx {args.n_ctx}: beyond the context of {f} ({backend.n_ctx} tokens)")
             name = f.name if f.name not in names else str(f)
             names.add(name)
             provider = BackendProvider(backend, name=name, n_ctx=min(n_ctx or backend.n_ctx, backend.n_ctx))

@@ -25,6 +25,8 @@ import numpy as np
 from export import ExportError
 from export.manifest import Manifest, Source
 from export.names import lookup, permute_heads, permute_rope, to_gguf
+from serving.backend import CHAT_TUNED_KEY
+from serving.chat_session import run_chat_tuned
 from training import layout
 from training.chat import CHAT_TEMPLATE
 from training.schema import suggest
@@ -81,6 +83,7 @@ def metadata(src: Source, file_type: int) -> list[tuple[str, object, gguf.GGUFVa
     a = ARCH
     pieces = list(tok.pieces())
     spec = tok.trainer_spec()
+    tuned = run_chat_tuned(src.run_dir or src.path)
     return [
         (K.General.NAME, src.name, V.STRING),
         (K.General.FILE_TYPE, file_type, V.UINT32),
@@ -111,7 +114,7 @@ def metadata(src: Source, file_type: int) -> list[tuple[str, object, gguf.GGUFVa
         (K.Tokenizer.ADD_EOS, False, V.BOOL),
         (K.Tokenizer.ADD_PREFIX, bool(spec["add_dummy_prefix"]), V.BOOL),
         (K.Tokenizer.CHAT_TEMPLATE, CHAT_TEMPLATE, V.STRING),
-    ]
+    ] + ([] if tuned is None else [(CHAT_TUNED_KEY, tuned, V.BOOL)])  # serving: chat or plain completion
 
 
 def _value_type(value: object) -> gguf.GGUFValueType:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from export import ExportError
 from export.hf_tokenizer import TOKENIZER_JSON, write_tokenizer_json
 from export.manifest import Manifest, Source
@@ -26,6 +24,7 @@ from export.names import to_hf
 from serving.backend import SamplingParams
 from training import layout
 from training.chat import CHAT_TEMPLATE
+from training.files import save_safetensors
 from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK, Tokenizer
 
 # Hugging Face's own file names inside RUN/export/hf (transformers looks for exactly these; they
@@ -95,14 +94,15 @@ def tokenizer_config(src: Source, tokenizer_class: str = SPM_CLASS) -> dict:
 
 def tokenizer_config_for(max_seq_len: int, tokenizer_class: str = SPM_CLASS) -> dict:
     spm_only = {
-        # legacy=False + add_prefix_space=False: no dummy "▁" before the text, as trained
-        "legacy": False,
-        "add_prefix_space": False,
+        "legacy": False,  # with add_prefix_space=False: no dummy "▁" before the text, as trained
         "sp_model_kwargs": {},
     }
     return {
         "tokenizer_class": tokenizer_class,
         **(spm_only if tokenizer_class == SPM_CLASS else {}),
+        # For every class: llama.cpp's convert_hf_to_gguf.py reads it (absent: llama.cpp's default,
+        # a leading-space token on the first word of every text, unlike training).
+        "add_prefix_space": False,
         "add_bos_token": True,
         "add_eos_token": False,
         "bos_token": BOS,
@@ -144,7 +144,7 @@ def export_hf(src: Source, out_dir: Path, manifest: Manifest, *, force: bool = F
     # Renaming keys shares the tensors: one fp32 copy of the model in memory (safetensors needs all).
     weights = {to_hf(name): t.contiguous() for name, t in src.tensors()}
     tmp = d / (WEIGHTS_FILE + ".tmp")
-    save_file(weights, str(tmp), metadata={"format": "pt"})
+    save_safetensors(weights, tmp, metadata={"format": "pt"})  # the user's umask, not 0600
     del weights
     tmp.replace(d / WEIGHTS_FILE)
     _write_json(d / CONFIG_FILE, hf_config(src))

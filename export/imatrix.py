@@ -31,6 +31,7 @@ import numpy as np
 
 from export import ExportError
 from export.llama_tools import run_tool
+from export.manifest import made_folder
 from training import layout
 from training.text import normalize
 
@@ -257,13 +258,13 @@ def torch_imatrix(run: Path, text: Path, out: Path, *, chunk_tokens: int = DEFAU
     if not head:
         entries.pop("token_embd.weight", None)
     n_chunks = int(next(iter(entries.values()))[1][0, 0]) // chunk_tokens
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        write_imatrix(entries, tmp, datasets=[Path(text).name], chunk_count=n_chunks, chunk_size=chunk_tokens)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with made_folder(out.parent):  # a failed write leaves no empty folder behind
+        try:
+            write_imatrix(entries, tmp, datasets=[Path(text).name], chunk_count=n_chunks, chunk_size=chunk_tokens)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out
 
 
@@ -296,8 +297,8 @@ def compute_imatrix(model: Path, text: Path, out: Path, *, chunk_tokens: int = D
         raise ExportError(f"{out} exists; use --force to overwrite")
     if not text.is_file():  # before the output folder is made: a failed run creates nothing
         raise ExportError(f"calibration text not found: {text}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".imatrix-") as td:
+    # a failed run leaves no empty --out folder behind
+    with made_folder(out.parent), tempfile.TemporaryDirectory(dir=out.parent, prefix=".imatrix-") as td:
         calib = _normalized_copy(text, Path(td))
         tmp = Path(td) / ("result" + IMATRIX_SUFFIX)
         args = ["-m", model, "-f", calib, "-o", tmp, "--output-format", "gguf", "-c", str(chunk_tokens),
@@ -347,15 +348,16 @@ def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *
         data[i].size = v.size
     data[len(keep)].name = None  # the array's terminator
     params.imatrix = ctypes.cast(data, ctypes.POINTER(lc.llama_model_imatrix_data))
-    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")
-    try:
-        rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-        if rc != 0 or not tmp.is_file():
-            raise ExportError(f"llama.cpp failed to quantize {src.name} to {type_name} with {imatrix.name} (return code {rc})")
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with made_folder(dst.parent):  # a failed quantization leaves no empty folder behind
+        try:
+            rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+            if rc != 0 or not tmp.is_file():
+                raise ExportError(f"llama.cpp failed to quantize {src.name} to {type_name} with {imatrix.name} "
+                                  f"(return code {rc})")
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
     return dst
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +130,37 @@ def read_manifest(path: Path) -> dict:
     data = layout.read_json(path, "export manifest", required=MANIFEST_KEYS)
     layout.check_schema(data["source"], str(path), "export manifest's source", required={"checkpoint": str})
     return data
+
+
+@contextmanager
+def made_folder(folder: Path) -> Iterator[Path]:
+    """`folder` made (with its parents) for the body's writes; when the body fails, the folders made
+    here are removed again, deepest first, as far as they are empty: a failed command leaves no empty
+    --out behind (nothing that existed before is touched)."""
+    folder = Path(folder)
+    made = [p for p in [folder, *folder.parents] if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield folder
+    except BaseException:
+        if made:  # everything under a folder made here is this command's: its empty folders go too
+            for root, _, _ in os.walk(folder, topdown=False):
+                with suppress(OSError):
+                    os.rmdir(root)
+        for p in made:
+            try:
+                p.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError:  # not empty: files the command wrote before failing stay, named by its error
+                break
+        raise
+
+
+def is_export_folder(folder: Path) -> bool:
+    """A folder prodip may write into without --force: new, empty, or marked by our manifest.json (written
+    before any export lands in it). Never decided from other names a user's folder may also hold (README.md)."""
+    return not folder.exists() or (folder / layout.MANIFEST).is_file() or (folder.is_dir() and not any(folder.iterdir()))
 
 
 class Manifest:

@@ -37,18 +37,25 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
-from export import ExportError
 from export.genai import GENAI_DIR, write_genai_files
+from export.onnx_check import check_against_torch, kl_report, probe_logits
+from export.onnx_graph import (
+    TIED_HEAD,
+    TIED_SOURCE,
+    Initializer,
+    export_graph,
+    placeholder_model,
+    plan_initializers,
+    set_nodes,
+    transpose_perm,
+)
+from export.onnx_weights import DataFile, OnnxExportError, Weights, data_file
 from serving.onnxrt import (
     CONFIG_FILE,
     FORMAT,
@@ -60,39 +67,23 @@ from serving.onnxrt import (
     output_names,
 )
 from training import layout
-from training.logprobs import kl_rows
-from training.model import ModelConfig, Transformer
 
-EXTERNAL_DATA_SUFFIX = ".data"
-# Example shapes the graph is traced at: distinct and >= 2, so none is taken for a constant.
-TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 3, 5, 7
-CHECK_SHAPES = ((2, 4, 0), (2, 1, 3))  # (batch, sequence, past) of the export's own check: unlike the traced
-EXPORT_TOLERANCE = 1e-3  # fp32 ONNX vs PyTorch max |logit diff| that fails the export's own check
-GRAPH_OPSET = 18  # every op of the decoder exists there; ONNX Runtime and GenAI run it
+# The exporter's parts (#26 split): onnx_graph (trace, plan of initializers), onnx_weights (streamed
+# bytes), onnx_check (its own checks); the names callers take from here stay importable from here.
+__all__ = ["OnnxExportError", "build_export", "data_file", "export_onnx", "install", "onnx_config",
+           "placeholder_model", "planned_outputs", "write_variant"]
+
 MS_DOMAIN = "com.microsoft"  # MatMulNBits, GatherBlockQuantized, DynamicQuantizeMatMul
 INT4_BLOCK_SIZE = 32  # weights per 4-bit block, each with its own scale and zero point
 INT4_SYMMETRIC = False  # asymmetric: symmetric blocks left top-1 at the 90% threshold (quickstart model)
-TIED_HEAD, TIED_SOURCE = "output.weight", "tok_embeddings.weight"  # the checkpoint stores a tied head once
 # The output head (tied or not) stays 8-bit in the int4 file, as llama.cpp's Q4_K_M keeps output.weight
 # at Q6_K: every logit goes through it, and at 4 bits it alone cost top-1 agreement (see docs/onnx.md).
 INT4_HEAD = "int8"
 HEAD_WEIGHTS = (TIED_HEAD, TIED_SOURCE)  # a MatMul over either is the head (the embedding is a Gather)
 INT8_GATHER_BLOCK = 32  # the int8 embedding: 8-bit blocks (GatherBlockQuantized), as int4's
 INT8_MAX = 127  # symmetric per-channel int8 weights in [-127, 127]
-WRAPPER_PREFIX = "model."  # _Decoder holds the Transformer as `.model`: initializer names carry it
-# Large tensors start at a page boundary of the data file so ONNX Runtime can memory-map them
-# (onnx's own external-data writer uses the same rule).
-ALIGN_THRESHOLD, PAGE, SMALL_ALIGN = 1 << 20, 4096, 64
 PROBE_TEXT = "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি। চিরদিন তোমার আকাশ, তোমার বাতাস. The quick brown fox."
 QUANTIZED = ("int8", "int4")
-
-
-class OnnxExportError(ExportError):
-    pass
-
-
-def data_file(model_file: str) -> str:
-    return model_file + EXTERNAL_DATA_SUFFIX
 
 
 def planned_outputs(out_dir: Path, int8: bool, int4: bool) -> list[Path]:
@@ -100,215 +91,6 @@ def planned_outputs(out_dir: Path, int8: bool, int4: bool) -> list[Path]:
     variants = ["fp32"] + [v for v, on in (("int8", int8), ("int4", int4)) if on]
     names = [n for v in variants for n in (VARIANT_FILES[v], data_file(VARIANT_FILES[v]))]
     return [Path(out_dir) / n for n in [*names, TOKENIZER_FILE, CONFIG_FILE]]
-
-
-# ------------------------------------------------------------------------------------ the graph
-class _Decoder(nn.Module):
-    """Flat tensors in optimum's order -> (logits, present.0.key, present.0.value, ...)."""
-
-    def __init__(self, model: Transformer):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        pkv = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        logits, presents = self.model.forward_with_cache(input_ids, position_ids, pkv, attention_mask)
-        return (logits, *[t for kv in presents for t in kv])
-
-
-def example_inputs(cfg: ModelConfig, batch: int, seq: int, past: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    mask = torch.ones(batch, past + seq, dtype=torch.int64)
-    pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
-    kv = [torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim, generator=g) for _ in range(2 * cfg.n_layers)]
-    return (ids, mask, pos, *kv)
-
-
-def placeholder_model(cfg: ModelConfig) -> Transformer:
-    """The model with real shapes and no weights: every parameter a zero-stride view of one scalar
-    (4 bytes each; tied parameters stay tied). Each parameter gets its own value (1, 2, 3, ...):
-    the exporter deduplicates initializers with equal contents, and real weights never are equal."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    swapped: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in swapped:
-                value = torch.full((), float(len(swapped) + 1), dtype=torch.float32)
-                swapped[id(p)] = nn.Parameter(value.expand(p.shape), requires_grad=False)
-            module._parameters[name] = swapped[id(p)]
-    return model.eval()
-
-
-def _dynamic_axes(n_layers: int) -> dict[str, dict[int, str]]:
-    ins, outs = input_names(n_layers), output_names(n_layers)
-    axes = {ins[0]: {0: "batch", 1: "sequence_length"}, ins[1]: {0: "batch", 1: "total_sequence_length"},
-            ins[2]: {0: "batch", 1: "sequence_length"}, outs[0]: {0: "batch", 1: "sequence_length"}}
-    axes.update({n: {0: "batch", 2: "past_sequence_length"} for n in ins[3:]})
-    axes.update({n: {0: "batch", 2: "total_sequence_length"} for n in outs[1:]})
-    return axes
-
-
-def export_graph(cfg: ModelConfig, opset: int | None = None):
-    """The decoder graph as an onnx.ModelProto whose weights are graph inputs named by their
-    parameter names; returns (proto, weight names). The TorchScript exporter with
-    `export_params=False` and no constant folding (which would materialize transposed placeholders):
-    a 32-layer graph in seconds, where the dynamo exporter spends minutes tracing."""
-    import onnx
-
-    n = cfg.n_layers
-    with tempfile.TemporaryDirectory() as td, warnings.catch_warnings(), torch.no_grad():
-        warnings.filterwarnings("ignore")  # the TorchScript exporter's deprecation notice
-        path = Path(td) / "graph.onnx"
-        torch.onnx.export(_Decoder(placeholder_model(cfg)), example_inputs(cfg, TRACE_BATCH, TRACE_SEQ, TRACE_PAST),
-                          str(path), input_names=input_names(n), output_names=output_names(n),
-                          dynamic_axes=_dynamic_axes(n), opset_version=opset or GRAPH_OPSET, export_params=False,
-                          do_constant_folding=False, dynamo=False)
-        proto = onnx.load(str(path))
-    fixed = set(input_names(n))
-    return proto, [i.name for i in proto.graph.input if i.name not in fixed]
-
-
-@dataclass(frozen=True)
-class Initializer:
-    onnx_name: str  # the name in the written graph
-    checkpoint_name: str  # the tensor in model.safetensors
-    transpose: bool  # written as W^T
-    shape: tuple[int, ...]  # as written
-
-
-def plan_initializers(proto, weight_names: list[str], cfg: ModelConfig) -> list[Initializer]:
-    """Turn the weight inputs back into initializers (in place on `proto`). A weight whose only
-    consumer is a Transpose(perm=[1,0]) is written transposed under the Transpose's output name and
-    the node removed; others (the tied embedding: a Gather and the head's Transpose) stay."""
-    g = proto.graph
-    shapes = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in g.input}
-    consumers: dict[str, list] = {}
-    for node in g.node:
-        for x in node.input:
-            consumers.setdefault(x, []).append(node)
-    plan, drop = [], set()
-    for name in weight_names:
-        if name not in shapes:  # optimized away (unused)
-            continue
-        ck = name.removeprefix(WRAPPER_PREFIX)
-        if cfg.tie_embeddings and ck == TIED_HEAD:  # the exporter may name the shared tensor after the head
-            ck = TIED_SOURCE
-        users = consumers.get(name, [])
-        if len(users) == 1 and _perm(users[0]) == [1, 0]:
-            plan.append(Initializer(users[0].output[0], ck, True, shapes[name][::-1]))
-            drop.add(id(users[0]))
-        else:
-            plan.append(Initializer(name, ck, False, shapes[name]))
-    _keep_nodes(g, [n for n in g.node if id(n) not in drop])
-    weights = set(weight_names)
-    inputs = [i for i in g.input if i.name not in weights]
-    del g.input[:]
-    g.input.extend(inputs)
-    return plan
-
-
-def _perm(node) -> list[int] | None:
-    if node.op_type != "Transpose":
-        return None
-    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-
-
-def _keep_nodes(graph, nodes: list) -> None:
-    kept = list(nodes)  # copies: clearing the repeated field would invalidate references into it
-    copies = []
-    for n in kept:
-        c = type(n)()
-        c.CopyFrom(n)
-        copies.append(c)
-    del graph.node[:]
-    graph.node.extend(copies)
-
-
-# ------------------------------------------------------------------------------------ the weights
-class DataFile:
-    """An external-data file being appended to: each tensor at an aligned offset, referenced by an
-    EXTERNAL TensorProto (location = the file's name, so the folder can be moved as a whole)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._f = open(path, "wb")  # noqa: SIM115 (closed by close())
-        self.offset = 0
-
-    def add_bytes(self, name: str, data_type: int, dims, raw) -> object:
-        import onnx
-
-        raw = memoryview(raw).cast("B")
-        a = PAGE if raw.nbytes >= ALIGN_THRESHOLD else SMALL_ALIGN
-        start = (self.offset + a - 1) // a * a
-        self._f.write(b"\0" * (start - self.offset))
-        self._f.write(raw)
-        self.offset = start + raw.nbytes
-        tp = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims), data_location=onnx.TensorProto.EXTERNAL)
-        for k, v in (("location", self.path.name), ("offset", str(start)), ("length", str(raw.nbytes))):
-            e = tp.external_data.add()
-            e.key, e.value = k, v
-        return tp
-
-    def add_array(self, name: str, arr: np.ndarray):
-        from onnx.helper import np_dtype_to_tensor_dtype
-
-        arr = np.ascontiguousarray(arr)
-        return self.add_bytes(name, np_dtype_to_tensor_dtype(arr.dtype), arr.shape, arr)
-
-    def add_proto(self, tp):
-        """A TensorProto made by onnxruntime's quantizer (bytes in raw_data) moved to this file."""
-        from onnx import numpy_helper
-
-        raw = tp.raw_data if tp.HasField("raw_data") else np.ascontiguousarray(numpy_helper.to_array(tp)).tobytes()
-        return self.add_bytes(tp.name, tp.data_type, tp.dims, raw)
-
-    def close(self) -> None:
-        self._f.close()
-
-
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-class Weights:
-    """The checkpoint's tensors, read one at a time as fp32 numpy in ONNX layout. Read with plain
-    reads, not safetensors' memory map: a map kept open would leave every page it ever touched in
-    the process's RSS (the whole model by the end), on top of the ONNX Runtime session that checks
-    the export."""
-
-    def __init__(self, weights_file: Path):
-        self.file = Path(weights_file)
-        with open(self.file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        self._base = 8 + n
-        self._index = {k: v for k, v in header.items() if k != "__metadata__"}
-
-    def tensor(self, name: str) -> torch.Tensor:
-        e = self._index.get(name)
-        if e is None or e["dtype"] not in SAFETENSORS_DTYPES:
-            raise OnnxExportError(f"{self.file}: no fp32/fp16/bf16 tensor {name}")
-        start, end = e["data_offsets"]
-        buf = bytearray(end - start)
-        with open(self.file, "rb") as f:
-            f.seek(self._base + start)
-            if f.readinto(buf) != len(buf):
-                raise OnnxExportError(f"{self.file}: truncated (tensor {name} is cut off)")
-        return torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[e["dtype"]]).reshape(e["shape"]).float()
-
-    def names(self) -> list[str]:
-        return list(self._index)
-
-    def get(self, item: Initializer) -> np.ndarray:
-        arr = self.tensor(item.checkpoint_name).numpy()
-        arr = np.ascontiguousarray(arr.T if item.transpose else arr, dtype="<f4")
-        if tuple(arr.shape) != item.shape:
-            raise OnnxExportError(f"{item.checkpoint_name}: shape {tuple(arr.shape)} in the checkpoint, "
-                                  f"{item.shape} in the graph")
-        return arr
 
 
 def _quantize_int8_matmul(node, w: np.ndarray, data: DataFile) -> list:
@@ -393,7 +175,7 @@ def write_variant(graph_proto, plan: list[Initializer], weights: Weights, model_
             nodes = []
             for node in g.node:  # the tied head: Transpose(E) -> MatMul becomes a MatMul over its own E^T
                 src = items.get(node.input[0]) if node.input else None
-                if src is not None and _perm(node) == [1, 0]:
+                if src is not None and transpose_perm(node) == [1, 0]:
                     items[node.output[0]] = replace(src, onnx_name=node.output[0], transpose=not src.transpose,
                                                     shape=src.shape[::-1])
                 else:
@@ -416,7 +198,7 @@ def write_variant(graph_proto, plan: list[Initializer], weights: Weights, model_
                 g.initializer.extend(inits)
                 out_nodes += new
                 used.update(x for n in new for x in n.input)
-            _keep_nodes(g, out_nodes)
+            set_nodes(g, out_nodes)
             g.initializer.extend(data.add_array(i.onnx_name, weights.get(i)) for i in plan if i.onnx_name in used)
             if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
                 proto.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
@@ -424,87 +206,6 @@ def write_variant(graph_proto, plan: list[Initializer], weights: Weights, model_
         data.close()
     model_path.write_bytes(proto.SerializeToString())
     return data.offset
-
-
-# ------------------------------------------------------------------------------------ the checks
-@contextmanager
-def _session(path: Path) -> Iterator:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    # A check, not a server: keep ONNX Runtime to one copy of the weights. Prepacking makes a second,
-    # packed copy of every MatMul weight; constant folding materializes the tied head's transpose.
-    so.add_session_config_entry("session.disable_prepacking", "1")
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.enable_cpu_mem_arena = False
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    try:
-        yield sess
-    finally:
-        del sess
-
-
-def _torch_model(weights_file: Path, cfg: ModelConfig) -> Transformer:
-    """The fp32 model with the checkpoint's tensors as its parameters (read one at a time and
-    assigned, not copied: one copy of the weights in memory)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    w = Weights(weights_file)
-    model.load_state_dict({k: w.tensor(k) for k in w.names()}, strict=False, assign=True)
-    if cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise OnnxExportError(f"{weights_file}: checkpoint lacks {missing[0]}")
-    return model.eval()
-
-
-def check_against_torch(path: Path, weights_file: Path, cfg: ModelConfig,
-                        probe: np.ndarray | None = None) -> tuple[dict, np.ndarray | None]:
-    """ONNX Runtime first (outputs kept, session freed), then PyTorch: never both models at once.
-    Returns the report and, when `probe` (1, T) ids are given, ONNX Runtime's logits for them (the
-    reference the quantized variants are measured against: one fp32 session serves both)."""
-    n = cfg.n_layers
-    cases = [example_inputs(cfg, b, s, p, seed=1) for b, s, p in CHECK_SHAPES]
-    with _session(path) as sess:
-        got = [sess.run(output_names(n), {k: a.numpy() for k, a in zip(input_names(n), args, strict=True)})
-               for args in cases]
-        ref_logits = None if probe is None else _probe_logits(sess, probe, cfg)
-    del sess  # the `with` name outlives the block: without this the session (its weights) stays alive
-    model = _torch_model(weights_file, cfg)
-    worst = 0.0
-    with torch.no_grad():
-        for args, outs in zip(cases, got, strict=True):
-            ref = _Decoder(model)(*args)
-            worst = max(worst, *(float(np.abs(o - r.numpy()).max()) for o, r in zip(outs, ref, strict=True)))
-    del model
-    if not worst <= EXPORT_TOLERANCE:
-        raise OnnxExportError(f"{path.name}: ONNX Runtime disagrees with PyTorch (max |diff| {worst:.3g} > "
-                              f"{EXPORT_TOLERANCE}); the export is wrong")
-    return {"max_abs_diff_vs_torch": worst}, ref_logits
-
-
-def _probe_logits(sess, ids: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """(T, V) logits of one (1, T) row from an empty cache."""
-    t = ids.shape[1]
-    feed = {"input_ids": ids, "attention_mask": np.ones((1, t), np.int64),
-            "position_ids": np.arange(t, dtype=np.int64)[None]}
-    empty = np.zeros((1, cfg.n_kv_heads, 0, cfg.head_dim), np.float32)
-    feed.update({n: empty for n in input_names(cfg.n_layers)[3:]})
-    return sess.run(["logits"], feed)[0][0]
-
-
-def probe_logits(path: Path, ids: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    with _session(path) as sess:
-        return _probe_logits(sess, ids, cfg)
-
-
-def kl_report(ref: np.ndarray, q: np.ndarray) -> dict:
-    """Mean/max KL(fp32 || quantized) over positions, top-1 agreement, max |logit diff|."""
-    kl = kl_rows(ref, q)
-    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1_agreement": float((ref.argmax(-1) == q.argmax(-1)).mean()),
-            "max_abs_diff": float(np.abs(ref - q).max()), "finite": bool(np.isfinite(q).all())}
 
 
 # ------------------------------------------------------------------------------------ the export

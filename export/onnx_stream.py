@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from export.onnx import OnnxExportError, export_onnx
+from serving.onnxrt import CONFIG_FILE
 from training import layout
 
 
@@ -32,17 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def is_onnx_folder(folder: Path) -> bool:
+    """New, empty, or marked by the onnx_config.json an export of ours writes: never a user's folder
+    of unrelated files (decided from our marker, not from the names of the files we would write)."""
+    return not folder.exists() or (folder / CONFIG_FILE).is_file() or (folder.is_dir() and not any(folder.iterdir()))
+
+
 def main(argv: list[str] | None = None) -> int:
-    from export.manifest import default_out_dir, load_source
+    from export.manifest import default_out_dir, load_source, made_folder
     from training.cli import run_main
 
     def run(args) -> None:
         if args.out is not None and args.out.exists() and not args.out.is_dir():
             raise OnnxExportError(f"--out {args.out}: exists and is not a folder")
+        if args.out is not None and not args.force and not is_onnx_folder(args.out):
+            raise OnnxExportError(f"--out {args.out}: holds files but no {CONFIG_FILE}, so it is not a prodip ONNX "
+                                  "folder; use a new or empty folder, or --force to write into it (nothing was written)")
         src = load_source(args.path, args.step)
         out = args.out or default_out_dir(src) / layout.ONNX_DIR
         t0 = time.perf_counter()
-        for p in export_onnx(src, out, int8=args.int8, int4=args.int4, force=args.force, check=not args.no_check):
+        with made_folder(out):  # a failed export leaves no empty --out behind
+            paths = export_onnx(src, out, int8=args.int8, int4=args.int4, force=args.force, check=not args.no_check)
+        for p in paths:
             print(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB)")
         print(f"  in {time.perf_counter() - t0:.1f} s")
 

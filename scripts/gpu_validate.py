@@ -129,22 +129,40 @@ def run_train(cmd: list[str], timeout_s: int) -> int:
         return 124
 
 
+def trainer_step(cfg, preset_name: str, seq_len: int, batch: int, device: str, **train):
+    """The Trainer's own step (training.loop.step.TrainStep: its wrapping, autocast, chunked loss,
+    clipping and AdamW, fused on CUDA) over a fresh model of `cfg`, and a batch it repeats."""
+    import torch
+
+    from training import distributed as D
+    from training.config import TrainConfig
+    from training.loop.step import RepeatBatch, TrainStep, build_views
+    from training.model import Transformer
+
+    tcfg = TrainConfig(preset=preset_name, batch_size=batch, seq_len=seq_len, device=device, max_steps=10**6,
+                       warmup_steps=0, **train)
+    dev, d = torch.device(device), D.Dist()
+    with torch.device("cpu"):
+        model = Transformer(cfg)
+    step = TrainStep(build_views(model, tcfg, d, dev), tcfg, d)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=dev)
+    return step, RepeatBatch(x[:, :-1], x[:, 1:])
+
+
 def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: str,
                 steps: int = EAGER_STEPS, warmup: int = EAGER_WARMUP) -> dict:
-    """Tokens/s and MFU of the timed run's model, eager (no torch.compile), same micro-batch, bf16
-    autocast and fused AdamW on CUDA: the baseline the compiled run's speed-up is measured against."""
+    """Tokens/s and MFU of the timed run's model, eager (no torch.compile), same micro-batch, through the
+    Trainer's own step (bf16 autocast and fused AdamW on CUDA): the baseline the compiled run's speed-up
+    is measured against."""
     import torch
 
     from training.metrics import mfu_flops, peak_flops
-    from training.model import ModelConfig, Transformer, preset
+    from training.model import ModelConfig, preset
 
     run_cfg = layout.read_run_config(run) if run.is_dir() else None
     cfg = ModelConfig.from_dict(run_cfg["model"]) if run_cfg else preset(preset_name)
     dev = torch.device(device)
-    model = Transformer(cfg).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-    x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=dev)
-
+    step, batches = trainer_step(cfg, preset_name, seq_len, batch, device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
@@ -153,17 +171,13 @@ def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: s
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            _, loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step.timed(i + 1, batches)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     tps = steps * batch * seq_len / (time.perf_counter() - t0)
     peak, _ = peak_flops(dev)
     mem = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
-    del model, opt
+    del step, batches
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return {"eager_tokens_per_s": round(tps),
@@ -173,10 +187,10 @@ def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: s
 
 
 def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: bool, steps: int = 3) -> dict:
-    """Peak GPU memory of `steps` eager optimizer steps (fused AdamW, bf16 autocast) of a preset."""
+    """Peak GPU memory of `steps` eager optimizer steps of a preset through the Trainer's own step."""
     import torch
 
-    from training.model import Transformer, preset
+    from training.model import preset
 
     cfg = preset(name)
     dev = torch.device("cuda")
@@ -184,20 +198,13 @@ def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: 
            "estimate": estimate_memory_gb(cfg, seq_len, batch, activation_checkpointing)}
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
-    model = opt = None
+    step = batches = None
     try:
-        model = Transformer(cfg).to(dev)
-        model.activation_checkpointing = activation_checkpointing
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=dev)
+        step, batches = trainer_step(cfg, name, seq_len, batch, "cuda", activation_checkpointing=activation_checkpointing)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        for i in range(steps):
+            step.timed(i + 1, batches)
         torch.cuda.synchronize()
         res["eager_tokens_per_s"] = round(steps * batch * seq_len / (time.perf_counter() - t0))
         res["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
@@ -206,17 +213,18 @@ def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: 
         res["peak_mem_gb"] = None
         res["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
     finally:
-        del model, opt
+        del step, batches
         torch.cuda.empty_cache()
     return res
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from training.cli import ArgumentParser  # one `error:` line for a bad flag, no usage block
     from training.model import PRESETS
     from training.schema import NonNegFloat, PositiveInt, flag
 
-    ap = argparse.ArgumentParser(prog="python scripts/gpu_validate.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python scripts/gpu_validate.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="400m", choices=list(PRESETS))
     ap.add_argument("--seq-len", type=flag(PositiveInt), default=2048)
     ap.add_argument("--batch-size", type=flag(PositiveInt), default=8,
@@ -380,7 +388,10 @@ def sdpa_backends(preset_name: str, seq_len: int, batch: int, device: str, reps:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    try:
+        a = build_parser().parse_args(argv)
+    except SystemExit as e:  # the parser printed its one error line (2), or --help (0)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         check_out(a.out)
     except ValueError as e:

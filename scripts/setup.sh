@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create ./.venv and install prodip with everything it needs. Idempotent: a second run is quick.
 #   scripts/setup.sh          runtime (train, export, serve, demo)
-#   scripts/setup.sh --dev    + test tools (pytest, ruff, transformers, playwright, Debian chromium)
+#   scripts/setup.sh --dev    + test tools (pytest, ruff, transformers, playwright, Debian chromium and
+#                      fonts-noto-core: a Bengali font, so the browser test sees Bangla, not boxes)
 #   scripts/setup.sh --llama-tools  + llama.cpp's own programs (llama-cli, -server, -bench, -perplexity,
 #                      -imatrix, -quantize), built once from the same pinned source with the same flags
 # Environment knobs:
@@ -58,12 +59,17 @@ fi
 
 if [ "$DEV" = 1 ]; then
   "${PIP[@]}" -e ".[dev]"
-  if ! command -v chromium >/dev/null 2>&1; then
+  # the browser test: Chromium, and a Bengali font (without one every Bangla glyph is a box; the test
+  # fails on that). Debian's fonts-noto-core holds Noto Sans/Serif Bengali.
+  need=()
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  if ! fc-list :lang=bn 2>/dev/null | grep -q .; then need+=(fonts-noto-core); fi
+  if [ "${#need[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      log "installing Debian chromium for the browser test"
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+      log "installing ${need[*]} (Debian) for the browser test"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
     else
-      log "chromium not found and not root: the browser test will be skipped"
+      log "${need[*]} not installed and not root: the browser test will skip (no chromium) or fail (no Bengali font)"
     fi
   fi
 else

@@ -2,7 +2,10 @@
 
 Without --prompt or --http: an interactive streaming chat in the terminal (/reset starts over,
 /quit or Ctrl-D leaves). MODEL is a .gguf file, an .onnx file (or its folder) or a training run /
-checkpoint folder.
+checkpoint folder. A base model (pretrained, not chat-tuned, as its run files or GGUF metadata say)
+completes text instead of chatting, and says so; --chat applies the chat template anyway, --raw
+completes text with any model. With --http every request carries its own sampling fields: the
+terminal-only flags (sampling, --system, --raw, --chat, --stats) are refused by name.
 """
 
 from __future__ import annotations
@@ -12,15 +15,17 @@ import sys
 
 from serving import RUNTIMES, describe, load
 from serving.backend import (
+    Backend,
     MaxNewTokens,
     RepetitionPenalty,
     SamplingParams,
     SamplingSeed,
+    ServingError,
     Temperature,
     TopK,
     TopP,
 )
-from serving.chat_session import ChatSession, TextStream, completion_stream
+from serving.chat_session import ChatSession, TextStream, chat_tuned, completion_stream
 from serving.flags import backend_name
 from serving.http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -35,6 +40,12 @@ from training.cli import ArgumentParser, run_main
 from training.schema import PositiveInt, flag
 
 PROMPT_MARK = ">>> "
+DEFAULT_MAX_TOKENS = 256
+# flags of the terminal modes, and what an HTTP client sends instead (--http refuses them by name)
+TERMINAL_ONLY = {"raw": "/v1/completions", "chat": "/v1/chat/completions", "system": "a system message",
+                 "stats": "prodip.tokens_per_s in each response", "max_tokens": "max_tokens",
+                 "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                 "repeat_penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -46,15 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--prompt", help="answer this one message and exit")
     mode.add_argument("--http", metavar="[HOST:]PORT", help="serve an OpenAI-compatible API (host 127.0.0.1 by default)")
-    ap.add_argument("--raw", action="store_true", help="with --prompt: plain text completion, no chat template")
+    text = ap.add_mutually_exclusive_group()
+    text.add_argument("--raw", action="store_true", help="plain text completion, no chat template")
+    text.add_argument("--chat", action="store_true", help="apply the chat template even to a base model")
     ap.add_argument("--system", help="system prompt for the chat")
-    ap.add_argument("--max-tokens", type=flag(MaxNewTokens), default=256)
-    ap.add_argument("--temperature", type=flag(Temperature), default=SamplingParams.temperature, help="0 = greedy")
-    ap.add_argument("--top-k", type=flag(TopK), default=SamplingParams.top_k, help="0 = off")
-    ap.add_argument("--top-p", type=flag(TopP), default=SamplingParams.top_p, help="in (0, 1]; 1 = off")
-    ap.add_argument("--repeat-penalty", type=flag(RepetitionPenalty), default=SamplingParams.repetition_penalty)
+    # sampling: None = not given (the default is filled in later), so --http can refuse what it would not use
+    ap.add_argument("--max-tokens", type=flag(MaxNewTokens), help=f"default {DEFAULT_MAX_TOKENS}")
+    ap.add_argument("--temperature", type=flag(Temperature), help=f"0 = greedy (default {SamplingParams.temperature})")
+    ap.add_argument("--top-k", type=flag(TopK), help=f"0 = off (default {SamplingParams.top_k})")
+    ap.add_argument("--top-p", type=flag(TopP), help=f"in (0, 1]; 1 = off (default {SamplingParams.top_p})")
+    ap.add_argument("--repeat-penalty", type=flag(RepetitionPenalty),
+                    help=f"1 = off (default {SamplingParams.repetition_penalty})")
     ap.add_argument("--seed", type=flag(SamplingSeed))
-    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--stop", action="append", help="stop string (repeatable)")
     ap.add_argument("--threads", type=flag(PositiveInt), help="CPU threads for the runtime")
     ap.add_argument("--max-body-bytes", type=flag(PositiveInt), default=DEFAULT_MAX_BODY_BYTES,
                     help="HTTP request body cap")
@@ -74,7 +89,8 @@ def _print_stream(stream: TextStream, show_stats: bool) -> None:
     if show_stats:
         tps = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "n/a tok/s"
         ttft = f"{s.time_to_first_token_s * 1000:.0f} ms" if s.time_to_first_token_s is not None else "n/a"
-        print(f"[{s.completion_tokens} tokens, {tps}, first token {ttft}, {s.finish_reason}]", file=sys.stderr)
+        bad = f", {s.invalid_bytes} invalid byte sequences dropped" if s.invalid_bytes else ""
+        print(f"[{s.completion_tokens} tokens, {tps}, first token {ttft}, {s.finish_reason}{bad}]", file=sys.stderr)
 
 
 def _chat_turn(session: ChatSession, text: str, params: SamplingParams, show_stats: bool) -> None:
@@ -109,10 +125,62 @@ def interactive(session: ChatSession, params: SamplingParams, show_stats: bool) 
             print(f"error: {e}", file=sys.stderr)
 
 
+def check_http_flags(args: argparse.Namespace) -> None:
+    """--http serves requests that carry their own settings: a terminal-only flag would be silently
+    dropped, so it is refused, naming the flag and what a request sends instead."""
+    given = [k for k in TERMINAL_ONLY if getattr(args, k) is not None and getattr(args, k) is not False]  # 0 is given
+    if given:
+        k = given[0]
+        raise ServingError(f"--{k.replace('_', '-')} does not apply to --http: each request sends its own "
+                           f"({TERMINAL_ONLY[k]}); use it with --prompt or the terminal chat")
+
+
+def sampling(args: argparse.Namespace) -> SamplingParams:
+    d = SamplingParams()
+    pick = lambda v, default: default if v is None else v  # noqa: E731
+    return SamplingParams(max_new_tokens=pick(args.max_tokens, DEFAULT_MAX_TOKENS),
+                          temperature=pick(args.temperature, d.temperature), top_k=pick(args.top_k, d.top_k),
+                          top_p=pick(args.top_p, d.top_p), repetition_penalty=pick(args.repeat_penalty,
+                                                                                   d.repetition_penalty),
+                          seed=args.seed, stop=tuple(args.stop or ())).validate()
+
+
+def use_chat(args: argparse.Namespace, backend: Backend) -> bool:
+    """Chat template or plain completion: --raw / --chat decide; else a base model completes text
+    (and says so in one line), a chat-tuned or unknown one chats."""
+    if args.raw or args.chat:
+        return args.chat
+    if chat_tuned(backend, args.model) is False:
+        print(f"note: {args.model} is a base model (pretrained, not chat-tuned): completing your text as written; "
+              "--chat applies the chat template anyway", file=sys.stderr)
+        return False
+    return True
+
+
+def complete_interactive(backend: Backend, params: SamplingParams, show_stats: bool) -> None:
+    print(f"{backend.name}: completing text (context {backend.n_ctx} tokens), each line on its own. "
+          "/quit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input(PROMPT_MARK)
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        text = line.strip()
+        if not text or text == "/reset":
+            continue
+        if text in ("/quit", "/exit"):
+            return
+        try:
+            _print_stream(completion_stream(backend, text, params), show_stats)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> None:
-    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, repetition_penalty=args.repeat_penalty, seed=args.seed,
-                            stop=tuple(args.stop)).validate()
+    if args.http:
+        check_http_flags(args)
+    params = sampling(args)
     # the port is taken before the model loads (minutes, for a big one) and before anything is announced
     bind = parse_bind(args.http) if args.http else None
     sock = reserve_socket(*bind) if bind else None
@@ -134,10 +202,16 @@ def run(args: argparse.Namespace) -> None:
             print(f"serving {backend.name} ({args.model}) on http://{host}:{port}/v1", file=sys.stderr)
             if host not in LOOPBACK:
                 print(f"note: bound to {host}: other machines can reach this server", file=sys.stderr)
+            if chat_tuned(backend, args.model) is False:
+                print(f"note: {args.model} is a base model (not chat-tuned): /v1/completions continues text; "
+                      "/v1/chat/completions applies a chat template it never learned", file=sys.stderr)
             serve(backend, host, port, ServerConfig(model_id=backend.name, max_body_bytes=args.max_body_bytes,
                                                     max_tokens_cap=args.max_tokens_cap), sock=sock)
-        elif args.prompt is not None and args.raw:
-            _print_stream(completion_stream(backend, args.prompt, params), args.stats)
+        elif not use_chat(args, backend):
+            if args.prompt is not None:
+                _print_stream(completion_stream(backend, args.prompt, params), args.stats)
+            else:
+                complete_interactive(backend, params, args.stats)
         elif args.prompt is not None:
             _chat_turn(ChatSession(backend, args.system), args.prompt, params, args.stats)
         else:

@@ -7,12 +7,15 @@ A backend exposes the few primitives the rest of prodip needs:
 - `logits_incremental(ids, prefix)`: the same logits through the runtime's KV cache (`prefix` tokens
   in one pass, the rest one at a time), so parity can compare full-sequence and cached decoding,
 - `generate(ids, params)`: a stream of token ids, sampled with `SamplingParams`,
-- `chat(messages, params)`: renders through `training.chat` and streams text pieces.
+- `chat(messages, params)`: renders through `training.chat` and streams text pieces,
+- optionally `detokenize_bytes(ids)`: raw bytes, a lone byte-fallback token included (serving's stream
+  decoder, serving.chat_session.bytes_decoder, reads them; without it, SentencePiece pieces are used).
 Text given to a backend is normalized with `training.text.normalize` first, always.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Protocol, runtime_checkable
@@ -35,7 +38,8 @@ MAX_TEMPERATURE = 10.0
 MAX_PENALTY = 10.0
 MaxNewTokens = Annotated[PositiveInt, Field(le=MAX_NEW_TOKENS, strict=True)]
 Temperature = Annotated[NonNegFloat, Field(le=MAX_TEMPERATURE, strict=True)]  # 0 = greedy
-TopK = Annotated[NonNegInt, Field(strict=True)]  # 0 = off
+MAX_TOP_K = 1 << 20  # past any vocabulary (Llama 3's is 128k): 10**12 is a typo, refused by value
+TopK = Annotated[NonNegInt, Field(le=MAX_TOP_K, strict=True)]  # 0 = off
 TopP = Annotated[PositiveFloat, Field(le=1, strict=True)]  # a probability; 0 would keep no token
 RepetitionPenalty = Annotated[PositiveFloat, Field(le=MAX_PENALTY, strict=True)]
 SamplingSeed = Annotated[Seed, Field(strict=True)]
@@ -87,6 +91,22 @@ class Backend(Protocol):
     def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]: ...
 
     def close(self) -> None: ...
+
+
+# GGUF metadata key `python -m export` writes: True for a chat fine-tuned (SFT) run, False for a base one
+CHAT_TUNED_KEY = "prodip.chat_tuned"
+SPACE_PIECE = "\u2581"  # SentencePiece's visible space
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece's name
+
+
+def piece_bytes(piece: str, kind: str) -> bytes:
+    """The bytes a SentencePiece piece spells: <0xE0> (kind "byte") is the byte E0, a control token
+    nothing, U+2581 a space (kinds as training.tokenizer.Piece names them)."""
+    if kind == "byte":
+        return bytes([int(piece[3:5], 16)])
+    if kind == "control":
+        return b""
+    return piece.replace(SPACE_PIECE, " ").encode("utf-8")
 
 
 def sample_next(logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:

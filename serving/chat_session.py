@@ -7,8 +7,10 @@
   text and says so in the notice.
 - When a conversation outgrows the context, the oldest non-system turns are dropped and the result
   carries a notice for the user; a single message that cannot fit is a `PromptTooLong` error.
-- `TextStream` turns a backend's token stream into text pieces: incomplete UTF-8 is held back, stop
-  strings end the reply (and are never shown, not even in part), timing is recorded.
+- `TextStream` turns a backend's token stream into text pieces through `training.wellformed.decode_utf8`
+  over the tokens' bytes (`bytes_decoder`): incomplete UTF-8 is held back until it completes, a byte
+  sequence that never becomes UTF-8 is dropped and counted (`stats.invalid_bytes`), so no U+FFFD is
+  ever shown; stop strings end the reply (and are never shown, not even in part), timing is recorded.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from serving.backend import Backend, SamplingParams, ServingError
+from serving.backend import Backend, SamplingParams, ServingError, piece_bytes
+from training import layout
 from training.chat import STOP_STRINGS, ChatError, encode, truncate_history, validate
 from training.tokenizer import IM_END, IM_START
+from training.wellformed import REPLACEMENT, decode_utf8
 
-REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for a partial UTF-8 sequence
+REPLACEMENT_CHAR = REPLACEMENT  # what a lenient decoder writes for bytes that are not (yet) UTF-8
 # At most this share of the context is held back for the reply when fitting the history.
 MAX_REPLY_SHARE = 0.5
 RECENT_STATS = 64  # GenerationProbe keeps the stats of this many finished generations
@@ -53,11 +58,46 @@ class BackendTokens:
         return self.backend.tokenize(text, bos=False, allow_special=False)
 
 
-def text_decoder(backend: Backend) -> Callable[[Sequence[int]], str]:
-    """ids -> text while `generate` is suspended mid-stream: the backend's SentencePiece tokenizer
-    where it has one (torch, onnx), else its `detokenize` (which must not wait on generate's lock)."""
+class SentencePieceBytes:
+    """ids -> raw bytes for a training.tokenizer.Tokenizer. SentencePiece's own decode (even with
+    out_type=bytes) writes U+FFFD for byte pieces that are not UTF-8, so the bytes are joined from the
+    pieces here; equal to its decode for every sequence that is valid UTF-8."""
+
+    def __init__(self, tok: object):
+        self.table = [tok.decode([p.id]).encode("utf-8") if p.kind == "unknown" else piece_bytes(p.text, p.kind)
+                      for p in tok.pieces()]  # type: ignore[attr-defined]
+        self.strip_space = bool(tok.trainer_spec().get("add_dummy_prefix"))  # type: ignore[attr-defined]
+
+    def __call__(self, ids: Sequence[int]) -> bytes:
+        out = b"".join(self.table[int(i)] for i in ids)
+        return out[1:] if self.strip_space and out.startswith(b" ") else out
+
+
+def bytes_decoder(backend: Backend) -> Callable[[Sequence[int]], bytes]:
+    """ids -> raw bytes (not yet UTF-8-checked), callable while `generate` is suspended mid-stream:
+    the backend's `detokenize_bytes` (llama.cpp, transformers), else its SentencePiece tokenizer's pieces
+    (torch, onnx), else its `detokenize` text encoded (a U+FFFD in it then stays one). Cached per backend."""
+    cached = getattr(backend, "_prodip_bytes_decoder", None)
+    if cached is not None:
+        return cached
+    own = getattr(backend, "detokenize_bytes", None)
     tok = getattr(backend, "tokenizer", None)
-    return tok.decode if tok is not None and callable(getattr(tok, "decode", None)) else backend.detokenize
+    if callable(own):
+        dec = own
+    elif tok is not None and callable(getattr(tok, "pieces", None)):
+        dec = SentencePieceBytes(tok)
+    else:
+        def dec(ids: Sequence[int]) -> bytes:
+            return backend.detokenize(ids).encode("utf-8")
+    with contextlib.suppress(AttributeError):
+        backend._prodip_bytes_decoder = dec  # type: ignore[attr-defined]
+    return dec
+
+
+def text_decoder(backend: Backend) -> Callable[[Sequence[int]], str]:
+    """ids -> text, invalid byte sequences dropped (never U+FFFD): decode_utf8 over bytes_decoder."""
+    dec = bytes_decoder(backend)
+    return lambda ids: decode_utf8(dec(ids)).text
 
 
 def backend_tokens(backend: Backend) -> BackendTokens:
@@ -95,6 +135,32 @@ def reply_reserve(n_ctx: int, max_new_tokens: int) -> int:
 def is_prodip(backend: Backend) -> bool:
     """Whether the backend serves a model prodip wrote (every backend but a foreign GGUF)."""
     return bool(getattr(backend, "prodip", True))
+
+
+def run_chat_tuned(path: str | Path) -> bool | None:
+    """Whether the run holding `path` (a run, a checkpoint, a file under RUN/export) was chat fine-tuned:
+    its run.json says kind "sft". None when no readable run config is there to say."""
+    from training.sft_data import KIND as SFT_KIND  # training.sft_data pulls in the data stack: load on use
+
+    run = layout.run_dir_of(path)
+    try:
+        cfg = layout.read_run_config(run) if run is not None else None
+    except layout.LayoutError:
+        return None
+    return None if cfg is None else cfg.get("kind") == SFT_KIND
+
+
+def chat_tuned(backend: Backend, path: str | Path | None = None) -> bool | None:
+    """Whether `backend` serves a chat-tuned model: the file's own word first (a GGUF's CHAT_TUNED_KEY),
+    then the run files around `path` (or backend.path). None: unknown (a bare checkpoint, an old GGUF
+    away from its run, a foreign file, whose own template is used)."""
+    own = getattr(backend, "chat_tuned", None)
+    if own is not None:
+        return bool(own)
+    if not is_prodip(backend):
+        return None
+    p = path if path is not None else getattr(backend, "path", None)
+    return run_chat_tuned(p) if p is not None else None
 
 
 def _too_long(backend: Backend, n: int, budget: int) -> PromptTooLong:
@@ -172,6 +238,7 @@ class GenerationStats:
     time_to_first_token_s: float | None = None
     total_s: float = 0.0
     finish_reason: str | None = None  # "stop" (end of turn or stop string) | "length" | "cancelled" (closed early)
+    invalid_bytes: int = 0  # byte sequences the model left invalid UTF-8: dropped from the text
     # time.perf_counter() when the request arrived (or the stream asked for the lock), got the lock, and
     # its generation loop ended
     queued_at: float | None = None
@@ -272,7 +339,7 @@ class TextStream:
 
     def _run(self) -> Iterator[str]:
         stops = [s for s in self.params.stop if s]
-        decode = text_decoder(self.backend)
+        decode = bytes_decoder(self.backend)
         gen: list[int] = []
         emitted = 0
         text = ""
@@ -286,9 +353,9 @@ class TextStream:
                 gen.append(tid)
                 self.stats.completion_tokens = len(gen)
                 self.stats.total_s = time.perf_counter() - t0  # live, so tokens/s can be shown mid-reply
-                text = decode(gen)
-                if text.endswith(REPLACEMENT_CHAR):
-                    continue  # the rest of a multi-byte character is still to come
+                # An incomplete character at the end waits for its next bytes; invalid ones are dropped.
+                decoded = decode_utf8(decode(gen), final=False)
+                text, self.stats.invalid_bytes = decoded.text, len(decoded.invalid)
                 hits = [i for i in (text.find(s, emitted) for s in stops) if i >= 0]
                 if hits:
                     cut = min(hits)
@@ -301,10 +368,13 @@ class TextStream:
                     yield text[emitted:safe]
                     emitted = safe
             else:
-                # The backend ended by itself: end of turn, or the token budget / context ran out.
+                # The backend ended by itself: end of turn, or the token budget / context ran out. Bytes
+                # still incomplete now never will be: invalid.
                 hit_budget = (len(gen) >= self.params.max_new_tokens
                               or len(self.ids) + len(gen) >= self.backend.n_ctx)
                 finish = "length" if hit_budget else "stop"
+                decoded = decode_utf8(decode(gen), final=True)
+                text, self.stats.invalid_bytes = decoded.text, len(decoded.invalid)
                 if len(text) > emitted:
                     yield text[emitted:]
                     emitted = len(text)

@@ -43,6 +43,7 @@ from serving.backend import (
     TopP,
 )
 from serving.chat_session import GenerationProbe, GenerationStats, chat_stream, completion_stream
+from training.records import JSONBoundError, loads
 from training.schema import Port, SchemaError, check, parse, reject_unknown
 
 DEFAULT_HOST = "127.0.0.1"
@@ -142,9 +143,11 @@ async def read_json(request: Request, limit: int) -> dict:
     except UnicodeDecodeError as e:
         raise RequestError(f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        obj = json.loads(text)
+        obj = loads(text)  # the one bounded JSON reader: nesting depth, lone surrogates (training.records)
     except json.JSONDecodeError as e:
         raise RequestError(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except JSONBoundError as e:
+        raise RequestError(f"request body: {e}") from None
     if not isinstance(obj, dict):
         raise RequestError("request body must be a JSON object")
     return obj
@@ -257,7 +260,7 @@ def _usage(stats: GenerationStats) -> dict:
 
 def _extras(stats: GenerationStats, dropped: int = 0, notice: str | None = None) -> dict:
     return {"dropped_messages": dropped, "notice": notice, "tokens_per_s": stats.tokens_per_s,
-            "time_to_first_token_s": stats.time_to_first_token_s}
+            "time_to_first_token_s": stats.time_to_first_token_s, "invalid_bytes": stats.invalid_bytes}
 
 
 async def _pull(gen: Iterator[str]) -> AsyncIterator[str]:

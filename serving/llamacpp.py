@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.backend import SamplingParams, ServingError
+from serving.backend import CHAT_TUNED_KEY, SamplingParams, ServingError
 from training.chat import CHAT_TEMPLATE
 from training.text import normalize
 from training.tokenizer import EOS, IM_END
@@ -61,6 +61,7 @@ class GgufInfo:
     name: str | None
     chat_template: str | None
     context_length: int | None
+    chat_tuned: bool | None = None  # CHAT_TUNED_KEY: prodip files written since issue 31 say it
 
     @property
     def type_name(self) -> str | None:
@@ -99,10 +100,10 @@ def read_gguf_info(path: Path) -> GgufInfo:
 
     arch = value(ARCH_KEY)
     ctx = value(f"{arch}.context_length") if isinstance(arch, str) else None
-    ftype, name, template = value(FILE_TYPE_KEY), value(NAME_KEY), value(TEMPLATE_KEY)
+    ftype, name, template, tuned = value(FILE_TYPE_KEY), value(NAME_KEY), value(TEMPLATE_KEY), value(CHAT_TUNED_KEY)
     return GgufInfo(arch if isinstance(arch, str) else None, int(ftype) if isinstance(ftype, int) else None,
                     name if isinstance(name, str) else None, template if isinstance(template, str) else None,
-                    int(ctx) if isinstance(ctx, int) else None)
+                    int(ctx) if isinstance(ctx, int) else None, tuned if isinstance(tuned, bool) else None)
 
 
 def gguf_architecture(path: Path) -> tuple[str | None, int | None]:
@@ -190,6 +191,7 @@ class LlamaCppBackend:
         self.info = read_gguf_info(self.path)
         self.prodip = self.info.prodip
         self.chat_template = self.info.chat_template
+        self.chat_tuned = self.info.chat_tuned
         if n_ctx is None and not self.prodip:
             n_ctx = min(self.info.context_length or FOREIGN_MAX_CTX, FOREIGN_MAX_CTX)
         if kv_f32 is None:
@@ -260,7 +262,7 @@ class LlamaCppBackend:
                 "n_params": int(llama_cpp.llama_model_n_params(self.llm.model)) if self.llm else None,
                 "quant": self.info.type_name, "context": self.n_ctx,
                 "trained_context": self.info.context_length, "kind": "prodip" if self.prodip else "foreign",
-                "prodip": self.prodip, "chat_template": self.chat_template is not None,
+                "prodip": self.prodip, "chat_template": self.chat_template is not None, "chat_tuned": self.chat_tuned,
                 "chat_notice": self.chat_notice}
 
     def _piece_id(self, piece: str) -> int:
@@ -277,6 +279,10 @@ class LlamaCppBackend:
     def detokenize(self, ids: Sequence[int]) -> str:
         # No lock: it reads only the vocabulary, and streaming decodes while generate() holds the lock.
         return self.llm.detokenize([int(i) for i in ids]).decode("utf-8", errors="replace")
+
+    def detokenize_bytes(self, ids: Sequence[int]) -> bytes:
+        """The raw bytes of `ids` (a byte-fallback token is its byte), for serving's UTF-8 stream decoder."""
+        return self.llm.detokenize([int(i) for i in ids])
 
     # model ----------------------------------------------------------------------------------------
     def _check(self, ids: Sequence[int]) -> list[int]:

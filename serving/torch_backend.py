@@ -16,6 +16,7 @@ import torch
 
 from serving.backend import SamplingParams, ServingError, sample_next
 from training.checkpoint import CheckpointError, load_model
+from training.decode import decode
 from training.model import Transformer
 from training.tokenizer import Tokenizer
 
@@ -101,21 +102,17 @@ class TorchBackend:
         `serving.chat_session.stream_text`, which sees the decoded text.
         """
         params.validate()
-        x = self._check_ids(ids)
+        self._check_ids(ids)
         history = list(ids)
         rng = np.random.default_rng(params.seed)
         budget = min(params.max_new_tokens, self.n_ctx - len(history))
-        past = None
-        pos = torch.arange(len(history), device=self.device)[None]
-        for _ in range(budget):
-            logits, past = self.model.forward_with_cache(x, pos, past)
-            nxt = sample_next(logits[0, -1].float().cpu().numpy(), params, history, rng)
-            if nxt in self.eos_ids:
-                return
+
+        def pick(row: torch.Tensor) -> int:
+            return sample_next(row.float().cpu().numpy(), params, history, rng)
+
+        for nxt in decode(self.model, history, budget, pick, self.eos_ids):  # training's one decode loop
             history.append(nxt)
             yield nxt
-            x = torch.tensor([[nxt]], dtype=torch.long, device=self.device)
-            pos = torch.tensor([[len(history) - 1]], device=self.device)
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]

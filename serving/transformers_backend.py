@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving.backend import SamplingParams, ServingError, sample_next
+from serving.backend import BYTE_PIECE, SamplingParams, ServingError, piece_bytes, sample_next
 from serving.torch_backend import set_threads
 from training.text import normalize
 from training.tokenizer import EOS, IM_END
@@ -55,6 +55,12 @@ class TransformersBackend:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.hf_tokenizer.decode([int(i) for i in ids])
+
+    def detokenize_bytes(self, ids: Sequence[int]) -> bytes:
+        """Raw bytes from the pieces (decode() would write U+FFFD for a lone byte-fallback token)."""
+        special = set(self.hf_tokenizer.all_special_ids)
+        pieces = self.hf_tokenizer.convert_ids_to_tokens([int(i) for i in ids if int(i) not in special])
+        return b"".join(piece_bytes(p, "byte" if BYTE_PIECE.fullmatch(p) else "normal") for p in pieces)
 
     def _check_ids(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:

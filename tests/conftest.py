@@ -4,10 +4,16 @@
 Every fixture here builds on training/assets only, so a fresh clone runs every test. Tests that read
 ../shared/data are opt-in breadth, each beside a test of the same behaviour on training/assets: they
 skip with an "opt-in:" message when it is absent, and fail instead when PRODIP_SHARED_DATA=1 (.ci/run
-sets it: CI has ../shared). Under CI=true any skip that is not an "opt-in:" skip fails the run."""
+sets it: CI has ../shared). Under CI=true a skip fails the run unless the test is on the allow-list
+tests/skips_allowed.txt (GPU-only tests, opt-in breadth on ../shared) and its reason is an "opt-in:" one:
+the llama.cpp tools, foreign GGUFs, ONNX Runtime GenAI and the openai client must run in CI.
+
+The fixture modules are registered once here (`pytest_plugins`): a test module that imported a fixture
+by name would define its own copy, and pytest would build that session fixture again for it."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import subprocess
 from pathlib import Path
@@ -18,6 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Each fixture module once, for every test module (see the docstring); registered here, before any test
+# module imports it, so pytest rewrites its asserts. fixtures_evaluate serves test_evaluate alone.
+pytest_plugins = ("fixtures_export", "fixtures_reliability", "fixtures_foreign_gguf", "fixtures_serve",
+                  "fixtures_onnx", "fixtures_gates")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -58,16 +69,39 @@ def shared_path(*parts: str) -> Path:
     return p
 
 
+ALLOWED_SKIPS_FILE = Path(__file__).with_name("skips_allowed.txt")
+
+
+def allowed_skips(path: Path = ALLOWED_SKIPS_FILE) -> dict[str, str]:
+    """{node-id pattern (fnmatch): why it may skip in CI} from the allow-list: `PATTERN  # REASON` lines.
+    A pattern without a reason is refused: the list says why each tier may be absent."""
+    out = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        pattern, _, why = line.partition("  # ")
+        if not why.strip():
+            raise ValueError(f"{path.name}:{n}: no reason given for {pattern.strip()!r} (write `PATTERN  # REASON`)")
+        out[pattern.strip()] = why.strip()
+    return out
+
+
+def skip_allowed_in_ci(nodeid: str, reason: str, allowed: dict[str, str]) -> bool:
+    """A CI skip passes only for an allow-listed test skipping with an "opt-in:" reason."""
+    return OPT_IN in reason and any(fnmatch.fnmatchcase(nodeid, p) for p in allowed)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under CI=true a skip fails, unless it is a named opt-in (a GPU, PRODIP_TEST_COMPILE, ...)."""
+    """Under CI=true a skip fails, unless the test is on tests/skips_allowed.txt with an opt-in reason."""
     outcome = yield
     rep = outcome.get_result()
     if IN_CI and rep.skipped and not hasattr(rep, "wasxfail"):
         reason = str(rep.longrepr[2]) if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        if OPT_IN not in reason:
+        if not skip_allowed_in_ci(item.nodeid, reason, allowed_skips()):
             rep.outcome = "failed"
-            rep.longrepr = f"CI=true forbids this skip (only '{OPT_IN} ...' skips may pass): {reason}"
+            rep.longrepr = (f"CI=true forbids this skip (only tests on tests/{ALLOWED_SKIPS_FILE.name} may skip, "
+                            f"with an '{OPT_IN} ...' reason): {reason}")
 
 
 @pytest.fixture(scope="session")

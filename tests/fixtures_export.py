@@ -41,17 +41,11 @@ def trained_run(tiny_run) -> Path:
     return tiny_run
 
 
-# Test modules import these fixtures by name, which makes each module's copy a fixture of its own
-# (pytest re-runs a session fixture per defining module): the export is kept here, so it is made once.
-_EXPORTED: dict[Path, Path] = {}
-
-
 @pytest.fixture(scope="session")
 def exported(trained_run, tmp_path_factory) -> Path:
-    """The trained run exported to HF + GGUF F32/F16/Q8_0/Q4_K_M (no parity yet); the out dir."""
-    if trained_run not in _EXPORTED:
-        _EXPORTED[trained_run] = export_all(trained_run, tmp_path_factory.mktemp("export"))
-    return _EXPORTED[trained_run]
+    """The trained run exported to HF + GGUF F32/F16/Q8_0/Q4_K_M (no parity yet); the out dir. Made once:
+    conftest registers this module as a plugin (pytest_plugins), no test module defines its own copy."""
+    return export_all(trained_run, tmp_path_factory.mktemp("export"))
 
 
 def export_all(run: Path, out: Path) -> Path:

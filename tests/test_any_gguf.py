@@ -30,7 +30,6 @@ from fixtures_foreign_gguf import (
     CONTEXT,
     GEMMA,
     LONG_CONTEXT,
-    foreign_ggufs,  # noqa: F401  (pytest fixture)
     without_tensor,
 )
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CORPUS
-from fixtures_reliability import rel_gguf, rel_run, run_cli, tree_digest  # noqa: F401  (pytest fixtures)
+from fixtures_reliability import run_cli, tree_digest
 
 MISSING = "/nonexistent/prodip-boundaries/missing"
 QUICK_S = 5.0  # a refused server start must not load anything: it returns at once

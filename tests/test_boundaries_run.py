@@ -194,8 +194,10 @@ def test_a_failed_start_never_blocks_the_correct_command(bn_data, tmp_path, caps
     run = tmp_path / "run"
     rc, _, err = _train(capsys, _argv(bn_data, run, "--set", "n_layers=abc"))
     assert rc == 2 and "n_layers" in _one_error_line(err) and not run.exists()
-    # what a failed pre-flight gate leaves in a new folder: its report, for the user to read
+    # what a failed pre-flight gate leaves in a new folder: the marker prodip writes first, and its
+    # report for the user to read
     run.mkdir()
+    (run / layout.RUN_MARKER).write_text("a prodip run folder\n", encoding="utf-8")
     GateReport([GateResult("overfit_one_batch", False, 0.1, ">= 50%", "loss did not fall")]).save(run / layout.GATES)
     rc, _, err = _train(capsys, _argv(bn_data, run, "--set", "n_layers=2"))  # the corrected command
     assert rc == 0, err
@@ -207,8 +209,17 @@ def test_a_failed_start_never_blocks_the_correct_command(bn_data, tmp_path, caps
     (other / layout.GATES).write_text("{}")
     before = tree_digest(other)
     rc, _, err = _train(capsys, _argv(bn_data, other))
-    assert rc == 2 and "not a prodip run folder (it holds 'notes.txt')" in _one_error_line(err)
+    assert rc == 2 and "not a prodip run folder (it holds 'notes.txt'" in _one_error_line(err)
     assert tree_digest(other) == before
+    # nor is one holding only files named like ours ([boundaries-2]: decided from the marker, not names)
+    named = tmp_path / "named-like-ours"
+    named.mkdir()
+    (named / layout.LOG).write_text('{"mine": true}\n', encoding="utf-8")
+    (named / layout.TOKENIZER).write_bytes(b"my own tokenizer")
+    before = tree_digest(named)
+    rc, _, err = _train(capsys, _argv(bn_data, named))
+    assert rc == 2 and "not a prodip run folder" in _one_error_line(err)
+    assert tree_digest(named) == before
 
 
 def test_reset_optimizer_resumes_and_is_recorded(base_run, bn_data, tmp_path, capsys):

@@ -1,7 +1,10 @@
 """Real-browser checks of the demo: headless Chromium types a Bangla message into `python -m demo`
 (started as a user starts it), sees the streamed Bangla reply and the model card, then opens the
-"see the difference" and tokenizer tabs on the same page and sees their results; a second tab closed
-mid-reply leaves the demo serving. Screenshots are saved."""
+"see the difference" and tokenizer tabs on the same page and sees their results (Enter submits each
+tab's text box); a second tab closed mid-reply leaves the demo serving. On every tab, no character of
+the page renders as the missing-glyph box (Bangla without a Bengali font: `scripts/setup.sh --dev`
+installs Debian's fonts-noto-core; an emoji no installed font has). A screenshot of each tab is saved
+in the test's folder (and in tests/artifacts with PRODIP_KEEP_SCREENSHOTS=1)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ import pytest
 from conftest import REPO
 from fixtures_serve import (
     BN_QUESTION,
-    serve_run,  # noqa: F401  (pytest fixture)
 )
 
 from demo.app import COMPARE_TAB, TOKENS_TAB
@@ -38,6 +40,26 @@ ARTIFACTS = REPO / "tests" / "artifacts"
 STARTUP_S = 90
 REPLY_TIMEOUT_MS = 60_000
 SPEED_MARK = "টোকেন/সেকেন্ড"  # the status line shown when a reply is complete
+# Characters of an element's visible text that render as the missing-glyph box: each is drawn on a canvas
+# in the element's own font family (with the browser's fallback fonts, as the page draws it) and its
+# pixels compared with those of U+0378, an unassigned code point every font draws as its .notdef box.
+# Without a Bengali font every Bangla letter matches (checked by hand on this machine before installing
+# fonts-noto-core: 10 of the 10 letters of "আমার সোনার বাংলা", and U+2705, the compare tab's old status glyph).
+BOXES_JS = """(selector) => {
+  const el = document.querySelector(selector);
+  const canvas = document.createElement("canvas");
+  canvas.width = 96; canvas.height = 64;
+  const g = canvas.getContext("2d", { willReadFrequently: true });
+  g.font = `40px ${getComputedStyle(el).fontFamily}`;
+  const draw = (ch) => {
+    g.clearRect(0, 0, canvas.width, canvas.height);
+    g.fillText(ch, 8, 48);
+    return g.getImageData(0, 0, canvas.width, canvas.height).data.join(",");
+  };
+  const box = draw("\\u0378");
+  const chars = [...new Set([...el.innerText].filter((ch) => ch.trim() && ch.codePointAt(0) > 0x7f))];
+  return { checked: chars, boxes: chars.filter((ch) => draw(ch) === box) };
+}"""
 
 
 def free_port() -> int:
@@ -82,6 +104,14 @@ def launch_browser(p):
     return p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
 
 
+def assert_no_boxes(page, where: str) -> None:
+    """Every non-ASCII character on the visible page has a glyph, and the page's Bangla was checked."""
+    seen = page.evaluate(BOXES_JS, "body")
+    assert script_counts("".join(seen["checked"])).get("bn", 0) > 0, f"{where}: no Bangla on the page to check"
+    assert not seen["boxes"], (f"{where}: {seen['boxes']} render as boxes (missing glyphs): install a Bengali font "
+                               "(scripts/setup.sh --dev: fonts-noto-core) or drop glyphs the page's fonts lack")
+
+
 def keep(shot: Path) -> None:
     assert shot.stat().st_size > 0
     if os.environ.get(KEEP_ENV):
@@ -108,18 +138,21 @@ def test_browser_chat_in_bangla(demo_url, tmp_path):
             chat = page.locator("#chatbot").inner_text()
             page.locator("#card").get_by_text("tokens trained").wait_for(timeout=REPLY_TIMEOUT_MS)
             card = page.locator("#card").inner_text()
+            status = page.locator("#status").inner_text()
             page.screenshot(path=str(shot), full_page=True)
+            assert_no_boxes(page, "chat tab")
         finally:
             browser.close()
     assert BN_QUESTION in chat
     reply = chat.split(BN_QUESTION, 1)[1]
     assert script_counts(reply).get("bn", 0) > 0, f"no Bangla reply on the page: {chat!r}"
     assert "tokens trained" in card and "held-out bits/byte" in card and "prodip" in card
+    assert "(answered by) torch" in status, status  # the runtime that answered (serve_run: a PyTorch checkpoint)
     keep(shot)
 
 
 def test_browser_difference_and_tokenizer_tabs(demo_url, tmp_path):
-    """One page load: the card, then each new tab clicked and its result seen."""
+    """One page load: each new tab clicked, its text box submitted with Enter, its result seen."""
     from playwright.sync_api import sync_playwright
 
     shots = [tmp_path / "demo-compare.png", tmp_path / "demo-tokens.png"]
@@ -129,17 +162,19 @@ def test_browser_difference_and_tokenizer_tabs(demo_url, tmp_path):
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(demo_url, wait_until="domcontentloaded")
             page.get_by_role("tab", name=COMPARE_TAB).click()
-            page.locator("#compare-go").click()
+            page.locator("#compare-prompt textarea").press("Enter")
             summary = page.locator("#compare-summary")
             summary.get_by_text(re.compile("identical|first difference")).wait_for(timeout=REPLY_TIMEOUT_MS)
             compared = page.locator("#compare-a").inner_text()
             page.screenshot(path=str(shots[0]), full_page=True)
+            assert_no_boxes(page, "compare tab")
             page.get_by_role("tab", name=TOKENS_TAB).click()
-            page.locator("#tokens-go").click()
+            page.locator("#tokens-text textarea").press("Enter")
             table = page.locator("#tokens-table")
             table.get_by_text("UTF-8 bytes").wait_for(timeout=REPLY_TIMEOUT_MS)
             tokens, table_text = page.locator("#tokens-spans").inner_text(), table.inner_text()
             page.screenshot(path=str(shots[1]), full_page=True)
+            assert_no_boxes(page, "tokenizer tab")
         finally:
             browser.close()
     assert script_counts(compared).get("bn", 0) > 0, f"no Bangla in the compared output: {compared!r}"

@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from fixtures_reliability import REPO, child_env, rel_run, run_cli, train_argv, tree_digest  # noqa: F401
+from fixtures_reliability import REPO, child_env, run_cli, train_argv, tree_digest
 from safetensors.torch import load_file
 
 from training import checkpoint as ckpt

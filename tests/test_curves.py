@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 
 import matplotlib.image
+import pytest
 from conftest import CORPUS
 
 from training import layout
 from training.curves import COLUMNS, DPI, PANEL_H, PANEL_W, PANELS, draw_curves, read_series
 from training.metrics import StepLog
+from training.records import RecordError, read_log
 
 
 def step(i: int, **extra) -> dict:
@@ -73,6 +75,33 @@ def test_nothing_to_plot_and_a_torn_line(tmp_path: Path) -> None:
     (tmp_path / layout.LOG).write_text(json.dumps(step(1)) + "\n" + '{"step": 2, "lo')  # killed mid-line
     assert draw_curves(tmp_path) is not None
     assert read_series(tmp_path / layout.LOG)["loss"] == ([1], [7.9])
+
+
+def test_one_log_reader_one_torn_line_policy(tmp_path: Path, capsys) -> None:
+    """log.jsonl has one reader (training.records.read_log) for the curves, --plan's measured speed and
+    resume's truncation: a last line without its newline (a kill mid-write, here cut inside a Bangla
+    character) is no record and no error; a damaged complete line is an error naming file:line, and
+    each reader keeps what precedes it."""
+    log = tmp_path / layout.LOG
+    good = [json.dumps(step(i, note="বাংলা"), ensure_ascii=False) for i in (1, 2)]
+    log.write_bytes(("\n".join(good) + "\n").encode() + json.dumps(step(3, note="বা"), ensure_ascii=False).encode()[:-3])  # `"}` and a byte of া
+    assert [r.value["step"] for r in read_log(log)] == [1, 2]
+    assert read_series(log)["loss"][0] == [1, 2]
+    log.write_text(f"{good[0]}\nnot json\n{good[1]}\n", encoding="utf-8")
+    with pytest.raises(RecordError, match=r"log.jsonl:2: training log: not a JSON record"):
+        list(read_log(log))
+    assert read_series(log)["loss"][0] == [1]  # the plot keeps what precedes the damage
+    log.write_text(f"{good[0]}\n[1, 2]\n", encoding="utf-8")
+    with pytest.raises(RecordError, match=r"log.jsonl:2: training log: not a JSON object"):
+        list(read_log(log))
+    # resume: records past the checkpoint and a torn tail go, the records kept are byte-identical
+    log.write_text("\n".join(good) + "\n" + good[1][:9], encoding="utf-8")
+    resumed = StepLog(log, curves=False)
+    resumed.truncate_after(1)
+    resumed.close()
+    assert log.read_text(encoding="utf-8") == good[0] + "\n"
+    with pytest.raises(RecordError, match="cannot read the training log"):
+        list(read_log(tmp_path / "missing.jsonl"))
 
 
 def test_a_plot_that_cannot_be_written_does_not_stop_training(tmp_path: Path, capsys) -> None:

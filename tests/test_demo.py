@@ -10,8 +10,7 @@ import threading
 
 import pytest
 from conftest import REPO
-from fixtures_foreign_gguf import foreign_ggufs  # noqa: F401  (pytest fixture)
-from fixtures_serve import BN_QUESTION, serve_gguf, serve_run  # noqa: F401  (pytest fixtures)
+from fixtures_serve import BN_QUESTION
 
 from demo.app import (
     DEFAULT_HOST,
@@ -78,7 +77,8 @@ def check_streamed_bangla_reply(url: str, label: str) -> None:
     assert [m["role"] for m in chat] == ["user", "assistant"]
     reply = last_reply(final)
     assert bn(reply) > 0, f"{label}: reply is not Bangla: {reply!r}"
-    assert "টোকেন/সেকেন্ড" in status and label in status
+    runtime = label.split(" · ")[0]  # "llama.cpp · x-F16.gguf" is answered by llama.cpp-F16
+    assert "টোকেন/সেকেন্ড" in status and f"answered by) {runtime}" in status, status
     partial = [last_reply(u) for u in updates if u[1]]
     assert len({p for p in partial if p}) >= 2, f"{label}: reply was not streamed: {partial}"
     assert all(reply.startswith(p) for p in partial if p not in ("", "…"))
@@ -424,8 +424,60 @@ def test_cli_bad_host_busy_port_and_numbers(serve_run, capsys):  # noqa: F811
         assert main(["--model", str(serve_run), "--port", str(busy)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and "--port" in err and f"port {busy} is already in use" in err
-    for flag, value in (("--port", "70000"), ("--port", "-1"), ("--threads", "0"), ("--threads", "x")):
-        with pytest.raises(SystemExit) as e:
-            main(["--model", str(serve_run), flag, value])
-        assert e.value.code == 2
-        assert f"argument {flag}" in capsys.readouterr().err
+    for flag, value in (("--port", "70000"), ("--port", "-1"), ("--threads", "0"), ("--threads", "x"),
+                        ("--modle", "x")):
+        assert main(["--model", str(serve_run), flag, value]) == 2
+        err = capsys.readouterr().err  # one line, as every prodip CLI: no usage block before it (issue 28)
+        assert err.startswith("error: ") and flag in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------------- which model, and how (issue 31)
+def test_default_is_the_smallest_on_device_file_that_passed_parity(serve_run, tmp_path):  # noqa: F811
+    """In a run folder: passed GGUFs (smallest first), passed ONNX, the checkpoint, then files whose parity
+    failed or was never measured. File sizes and parity verdicts are the run's own files, as on disk."""
+    import json
+    import shutil
+
+    from training import layout
+
+    run = tmp_path / "run"
+    shutil.copytree(serve_run, run, ignore=shutil.ignore_patterns("export"))
+    gguf, onnx = run / layout.EXPORT / layout.GGUF_DIR, run / layout.EXPORT / layout.ONNX_DIR
+    gguf.mkdir(parents=True)
+    onnx.mkdir(parents=True)
+    sizes = {gguf / "run-F16.gguf": 4000, gguf / "run-Q8_0.gguf": 2000, gguf / "run-Q4_K_M.gguf": 1000,
+             onnx / "model-int4.onnx": 500, onnx / "model.onnx": 3000}
+    for f, n in sizes.items():
+        f.write_bytes(b"\0" * n)
+    verdicts = {"run-F16.gguf": True, "run-Q8_0.gguf": False, "run-Q4_K_M.gguf": True, "model.onnx": True}
+    (run / layout.EXPORT / layout.PARITY_JSON).write_text(json.dumps({"backends": [
+        {"file": str(f), "passed": verdicts[f.name]} for f in sizes if f.name in verdicts]}))
+    names = [e.path.name for e in discover_models(run)]
+    # the int4 ONNX is the smallest file, but parity never measured it: after the checkpoint
+    assert names == ["run-Q4_K_M.gguf", "run-F16.gguf", "model.onnx", run.name, "run-Q8_0.gguf", "model-int4.onnx"]
+    assert [e.path.name for e in discover_models(gguf / "run-F16.gguf")][0] == "run-F16.gguf"  # a file named: first
+
+
+def test_a_base_model_completes_text_and_says_so(tiny_run, serve_run):  # noqa: F811
+    """tiny_run is pretrained only (run.json kind "pretrain"): the demo continues the text instead of wrapping it
+    in a chat template the model never saw, says so, and the card says which kind of model it is."""
+    from demo.app import BASE_NOTICE, ModelPool, make_respond
+    from demo.card import MODEL_TYPE, model_card
+    from demo.models import entry_for
+    from serving.chat_session import completion_stream
+
+    base, chat = entry_for(tiny_run), entry_for(serve_run)
+    base = type(base)("base · " + base.label, base.path, base.backend)
+    pool = ModelPool([base, chat], threads=1)
+    try:
+        assert (pool.chat_tuned(base.label), pool.chat_tuned(chat.label)) == (False, True)
+        *_, final = make_respond(pool)(BN_QUESTION, [], base.label, 12, 0.0, 0, 1.0, 1.0, 0)
+        backend, _ = pool.get(base.label)
+        expected = "".join(completion_stream(backend, BN_QUESTION, SamplingParams.greedy(12)))
+        assert final[1][-1]["content"] in (expected, "…") and final[2].startswith(BASE_NOTICE)
+        assert model_card(base, backend).get("model type") == MODEL_TYPE[False]
+        assert model_card(chat, pool.get(chat.label)[0]).get("model type") == MODEL_TYPE[True]
+        *_, final = make_respond(pool)(BN_QUESTION, [], chat.label, 4, 0.0, 0, 1.0, 1.0, 0)
+        assert BASE_NOTICE not in final[2]
+    finally:
+        pool.close()

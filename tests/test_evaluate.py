@@ -208,7 +208,7 @@ def test_formats_and_chance_for_2_4_5_way_sets(tmp_path):
     ('[{"instruction": "q", "option_a": "a", "option_b": "b", "answer": "Z"}]', "answer must be a letter"),
     ('[\n {"query": "q", "choices": ["a", "b"], "gold": 0},\n {"query": "q", "choices": ["a"], "gold": 0}\n]',
      r"bad\.jsonl:3: needs at least 2 choices"),
-    ('{"query": "q", "choices": 5, "gold": 0}\n', r"bad\.jsonl:1: malformed record"),
+    ('{"query": "q", "choices": 5, "gold": 0}\n', r"bad\.jsonl:1: 'choices' must be a list of strings"),
     ("\n\n", r"bad\.jsonl: no multiple-choice items"),
 ])
 def test_bad_mc_files_raise_one_line_errors(tmp_path, content, message):

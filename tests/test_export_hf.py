@@ -9,7 +9,6 @@ import shutil
 
 import numpy as np
 import torch
-from fixtures_export import exported, trained_run  # noqa: F401  (fixtures)
 from safetensors.torch import load_file, save_file
 
 from export.__main__ import main
@@ -129,3 +128,33 @@ def test_manifest_and_no_overwrite_without_force(trained_run, tmp_path, capsys):
     assert "--force" in capsys.readouterr().err
     assert (out / "hf" / "model.safetensors").stat().st_mtime_ns == before
     assert main(["safetensors", str(trained_run), "--out", str(out), "--no-parity", "--force"]) == 0
+
+
+def test_llama_cpp_converter_on_our_hf_export_tokenizes_as_trained(trained_run, exported, tmp_path):  # noqa: F811
+    """Our HF export through llama.cpp's own convert_hf_to_gguf.py (from the pinned llama-cpp-python sdist,
+    the path users and hub tools take): the same ids as training on every shipped text (no leading-space
+    token on the first word: tokenizer_config.json must say add_prefix_space=false) and the same F32
+    logits as our own GGUF writer's file."""
+    from fixtures_export import shipped_texts
+    from fixtures_foreign_gguf import SDIST_DIR, convert, extract_converter, llama_sdist
+
+    from serving.llamacpp import LlamaCppBackend
+
+    sdist = llama_sdist()
+    assert sdist is not None, f"no llama-cpp-python sdist in {SDIST_DIR}: run `bash scripts/setup.sh --dev --llama-tools`"
+    script = extract_converter(sdist, tmp_path / "llama.cpp")
+    theirs = tmp_path / "converted-F32.gguf"
+    convert(script, {exported / "hf": theirs})
+    tok = checkpoint.load(trained_run).tokenizer
+    texts = [*shipped_texts(), *PROMPTS]
+    assert len(texts) > 500, len(texts)  # the shipped corpus lines and chat messages
+    with LlamaCppBackend(theirs, kv_f32=True) as b:
+        wrong = [t for t in texts if b.tokenize(t) != tok.encode(t, bos=True)]
+        assert not wrong, f"{len(wrong)} of {len(texts)} texts tokenized differently, e.g. {wrong[0]!r}"
+        ids = tok.encode(PROMPTS[0], bos=True)
+        got = b.logits(ids)
+    with LlamaCppBackend(next((exported / "gguf").glob("*-F32.gguf")), kv_f32=True) as ours:
+        want = ours.logits(ids)
+    # measured 0.0 (the same F32 tensors; the requirement's 1e-4 is the F32 tolerance of every GGUF test);
+    # without add_prefix_space=false all 1,677 texts got another first token (measured on this export)
+    assert got.shape == want.shape and np.abs(got - want).max() <= FP32_TOL

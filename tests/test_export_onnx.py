@@ -23,7 +23,12 @@ from fixtures_onnx import kl_mean, probe_ids  # noqa: E402
 
 pytest_plugins = ("fixtures_onnx",)
 EXACT = 1e-4  # fp32 ONNX vs PyTorch, max |logit diff|
-INT8_KL, INT4_KL = 2e-3, 2e-2  # mean KL(fp32 || quantized) on the probe; measured 1.4e-5 / 6.1e-4
+# Mean KL(fp32 || quantized) on the probe and top-1 agreement, ~3x the measured values (#32: the tiny
+# run's model, step 272 of 300, onnxruntime CPU): KL int8 8.3e-5, int4 2.6e-3 (the exporter's own probe:
+# 8.2e-5 / 1.1e-3); top-1 int8 1.000, int4 0.967 (29 of 30 positions). An int4 at README's regressed
+# 87.8 % top-1 fails.
+INT8_KL, INT4_KL = 2.5e-4, 8e-3
+TOP1 = {"int8": 0.95, "int4": 0.9}
 
 
 def size(model: Path) -> int:
@@ -181,7 +186,7 @@ def test_quantized_variants_close_to_fp32(onnx_export, torch_model):
         print(f"{variant}: KL(fp32||{variant}) mean {kl:.2e}, top-1 agreement {top1:.3f}, "
               f"size {size(path) / 1e6:.2f} MB")
         assert 0 < kl <= limit  # quantized (not a copy) and still close
-        assert top1 >= 0.5
+        assert top1 >= TOP1[variant]
     assert "MatMulInteger" in ops["int8"] or "DynamicQuantizeMatMul" in ops["int8"]
     assert "MatMulNBits" in ops["int4"] and "GatherBlockQuantized" in ops["int4"]
     assert size(out / "model-int4.onnx") < size(out / "model-int8.onnx") < size(out / "model.onnx")

@@ -28,6 +28,9 @@ def test_bad_flags_are_refused(argv: list[str], flag: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         gv.build_parser().parse_args(argv)
     assert e.value.code == 2 and flag in capsys.readouterr().err
+    assert gv.main(argv) == 2  # one `error:` line naming the flag, as every prodip CLI: no usage block
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err and err.count("\n") == 1, err
 
 
 def test_out_that_is_a_file_is_refused_before_any_phase(tmp_path: Path, capsys) -> None:

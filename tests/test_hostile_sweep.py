@@ -1,43 +1,121 @@
-"""A generated sweep of hostile inputs over every CLI (issue [boundaries]): not a hand list.
+"""A generated sweep of hostile inputs over every CLI (issue [boundaries], #32): not a hand list, and
+not the code under test as its own oracle.
 
-1. Walk each CLI's real argparse parser. Every option that takes a value is classified: a number
-   (its `type=` must be a `training.schema.flag(T)`, which carries T), a name (choices, or checked
-   after parsing), a path, or free text. An unclassified option fails the structure test, so a new
-   flag cannot skip the sweep.
-2. For every number option, each candidate value its schema type refuses (wrong type, negative, zero,
-   NaN, ±inf, huge, exponent where an int is due) is one case; for every name option, an unknown
-   name is one case; for every path option, a missing path is one case. Each runs in-process through
-   the CLI's `main(argv)` and must exit != 0 with exactly one `error:` line naming the flag (or the
-   value), and no traceback. The base command line points at a missing input, so a value the CLI
-   wrongly accepts ends in an error that does not name the flag: the case fails instead of running.
-3. A table of file-level cases: every JSON/TOML/JSONL/tensor/GGUF file the CLIs read, truncated,
-   garbage, empty, binary or of the wrong shape, in a copy of a real run/data/export folder: one
-   `error:` line naming the file, and the folder byte-identical afterwards.
+1. Walk each CLI's real argparse parser. Every option that takes a value is classified: a path, an
+   output, a number (a `training.schema.flag(T)` over int or float), a name (choices, or checked after
+   parsing), or free text. An unclassified option fails the structure test, so a new flag cannot skip
+   the sweep; a number option without a row in VALUES (below) fails it too.
+2. VALUES declares, for every number option, from what the option means (its help text and the
+   docs, never `training.schema`), the values it must refuse and the boundary values it must accept.
+   Each refusal runs in-process through the CLI's `main(argv)` and must exit != 0 with exactly one
+   `error:` line naming the flag (or the value), no traceback and nothing written; each boundary
+   value must parse. Loosening a range (accepting lr=0) or tightening it (refusing top-p=1) fails a
+   case. For every name option an unknown name is one case; for every path option of a CLI with a
+   runnable command line a missing path, for every output option an existing file. The base command
+   line points at a missing input, so a value the CLI wrongly accepts ends in an error that does not
+   name the flag: the case fails instead of running.
+3. A table of file-level cases: every JSON/TOML/JSONL/safetensors/GGUF/SentencePiece/text file the
+   CLIs read, damaged in the ways its format can be (a cut header, a valid header with its payload cut,
+   a wrong dtype or shape behind a valid header, a wrong magic, garbage, empty...), in a copy of a real
+   run/data/export folder: one `error:` line naming the file, and every pre-existing file in the
+   folders the command may write (the whole test folder and every existing path on its command line)
+   byte-identical afterwards, with nothing new written.
 The count of cases is printed by `pytest tests/test_hostile_sweep.py -q` and reported in README.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
+import json
 import shutil
+import struct
 import traceback
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import REPO
-from fixtures_reliability import rel_gguf, rel_run, tree_digest  # noqa: F401  (pytest fixtures)
-
-from training.schema import SchemaError, parse
 
 MISSING = "/nonexistent/prodip-sweep/missing"
 UNKNOWN_NAME = "nosuch-name"
 OUTPUT_FILE = "a-file.txt"  # an output option pointing at an existing file: refused, the file untouched
-# Candidates tried on every number option; a case is generated for each one its schema type refuses.
-NUMBER_CANDIDATES = ("abc", "", "-1", "0", "0.5", "1e3", "nan", "inf", "-inf", "1e400",
-                     str(2**64), "-" + str(2**64))
+
+
+
+# ------------------------------------------------------------------ declared values of number options
+@dataclass(frozen=True)
+class Values:
+    """What an option means, as values: `refuse` must be refused, `accept` (boundaries) must parse."""
+    refuse: tuple[str, ...]
+    accept: tuple[str, ...]
+
+
+NOT_A_NUMBER = ("abc", "", "nan", "inf", "-inf")  # no count, size, rate or probability is any of these
+NOT_AN_INT = ("0.5", "1e3")  # a whole number is written as one (docs/config.md: "1e3" is not an int)
+BIG = str(2**64)  # past int64: no step count, seed or size reaches it
+
+
+def _ints(refuse: tuple[str, ...], accept: tuple[str, ...]) -> Values:
+    return Values((*NOT_A_NUMBER, *NOT_AN_INT, *refuse), accept)
+
+
+def _floats(refuse: tuple[str, ...], accept: tuple[str, ...]) -> Values:
+    return Values((*NOT_A_NUMBER, "1e400", *refuse), accept)
+
+
+COUNT = _ints(("-1", BIG), ("0", "1", "2000000000000"))  # steps/tokens/intervals where 0 means off or derived
+EVERY = _ints(("-1", "0", BIG), ("1", "1000000"))  # an interval that must happen: 0 would divide by zero
+SIZE = _ints(("-1", "0", str(2**40)), ("1", "65536"))  # sequences, tokens per sequence: 2^40 is a typo
+POSITIVE = _ints(("-1", "0"), ("1", "64"))  # threads, workers, limits: at least one
+NATURAL = _ints(("-1",), ("0", "1"))  # a step number, an index, a patience: 0 is valid
+SEED = _ints(("-1", str(2**63)), ("0", str(2**63 - 1)))  # seeds reach C long long / torch: [0, 2^63)
+PORT = _ints(("-1", "65536"), ("0", "65535"))  # a TCP port; 0: the OS picks one
+VOCAB = _ints(("0", "-1", "256", str(2**21)), ("257", str(2**20)))  # byte fallback alone takes 256 pieces
+QUICK_VOCAB = _ints(("0", "-1", "255", str(2**17)), ("512", "65536"))  # quickstart trains a small one on CPU
+NEW_TOKENS = _ints(("-1", "0", str(2**40)), ("1", "4096"))  # tokens to generate: at least one, not a typo
+TOP_K = _ints(("-1", "1000000000000"), ("0", "128256"))  # 0 = off; any vocabulary (Llama 3: 128,256)
+RATE = _floats(("0", "-1", "-1e-9"), ("1e-8", "0.5", "3"))  # lr, z-score, epochs, GiB: strictly positive
+NONNEG = _floats(("-1", "-1e-9"), ("0", "1.5"))  # decay, clip, $/h, margins: 0 = off
+PROBABILITY = _floats(("-0.1", "1.1"), ("0", "1"))  # [0, 1]: a ratio of a peak, a share of steps, an MFU
+BETA = _floats(("-0.1", "1", "1.1"), ("0", "0.999"))  # Adam's betas: 0 <= beta < 1 (1 never forgets)
+FRACTION = _floats(("0", "1", "-0.1"), ("0.001", "0.999"))  # a held-out share: strictly between none and all
+TEMPERATURE = _floats(("-0.1", "1000000"), ("0", "2"))  # 0 = greedy; a million is a typo
+TOP_P = _floats(("0", "-0.1", "1.1"), ("0.001", "1"))  # nucleus mass in (0, 1]; 0 keeps no token
+PENALTY = _floats(("0", "-1", "1000000"), ("1", "1.3"))  # divides logits: > 0; 1 = off
+
+TRAIN_VALUES = {
+    "--max-steps": COUNT, "--max-tokens": COUNT, "--stop-at": COUNT, "--batch-size": SIZE,
+    "--grad-accum": SIZE, "--seq-len": SIZE, "--lr": RATE, "--min-lr-ratio": PROBABILITY,
+    "--warmup-steps": COUNT, "--decay-frac": PROBABILITY, "--weight-decay": NONNEG, "--beta1": BETA,
+    "--beta2": BETA, "--grad-clip": NONNEG, "--seed": SEED, "--eval-every": COUNT, "--eval-batches": SIZE,
+    "--save-every": COUNT, "--keep-last": COUNT, "--log-every": EVERY, "--gpu-hourly-usd": NONNEG,
+    "--max-nonfinite-skips": COUNT, "--spike-zscore": RATE, "--spike-window": SIZE,
+    "--grad-flow-every": COUNT, "--early-stop-patience": NATURAL,
+}
+PLAN_VALUES = {"--gpu-mem-gb": RATE, "--gpus": POSITIVE, "--tokens-per-s": NONNEG, "--mfu": PROBABILITY}
+VALUES: dict[str, dict[str, Values]] = {
+    "train": {**TRAIN_VALUES, **PLAN_VALUES},
+    "sft": {**TRAIN_VALUES, "--epochs": RATE},
+    "prepare": {"--vocab-size": VOCAB, "--val-fraction": FRACTION, "--seed": SEED, "--shard-tokens": POSITIVE,
+                "--workers": POSITIVE, "--fertility-floor": NONNEG, "--fertility-ratio": NONNEG,
+                "--max-sentences": POSITIVE, "--eval-docs": POSITIVE, "--shard-index": NATURAL,
+                "--num-shards": POSITIVE, "--memory-gb": RATE},
+    "evaluate": {"--limit": POSITIVE, "--max-doc-chars": POSITIVE, "--stride": POSITIVE, "--step": NATURAL,
+                 "--twin-seed": SEED, "--margin": NONNEG, "--gen-tokens": NATURAL},
+    "export": {"--step": NATURAL, "--threads": POSITIVE, "--new-tokens": POSITIVE},
+    "export.evaluate": {"--n-ctx": POSITIVE, "--threads": POSITIVE, "--limit": POSITIVE, "--max-doc-chars": POSITIVE,
+                        "--stride": POSITIVE},
+    "serving": {"--max-tokens": NEW_TOKENS, "--temperature": TEMPERATURE, "--top-k": TOP_K, "--top-p": TOP_P,
+                "--repeat-penalty": PENALTY, "--seed": SEED, "--threads": POSITIVE, "--max-body-bytes": POSITIVE,
+                "--max-tokens-cap": NEW_TOKENS},
+    "demo": {"--port": PORT, "--threads": POSITIVE},
+    "quickstart": {"--vocab-size": QUICK_VOCAB, "--steps": EVERY, "--sft-steps": EVERY, "--port": PORT},
+    "prepare merge": {},
+}
 
 
 @dataclass(frozen=True)
@@ -67,7 +145,7 @@ CLIS: dict[str, CLI] = {
                  ("--data", "{data}", "--out", "{tmp}/out", *TINY)),
     "sft": CLI("training.sft", ("--data", MISSING, "--init", MISSING, "--out", MISSING + "-out", "--max-steps", "1"),
                frozenset({"--config", "--data", "--init"}), TRAIN_NAMES, TRAIN_FREE, OUT,
-               ("--data", "{chat}", "--init", "{run}", "--out", "{tmp}/out", *TINY)),
+               ("--data", "{chat}", "--init", "{run}", "--out", "{tmp}/out", *TINY, "--skip-gate", "data.truncation")),
     "prepare": CLI("training.prepare.cli", ("--input", MISSING, "--out", MISSING + "-out"),
                    frozenset({"--input", "--tokenizer", "--quality", "--decontaminate"}),
                    frozenset({"--skip-gate", "--mix"}), frozenset({"--text-field", "--balance-range"}), OUT,
@@ -111,14 +189,22 @@ def _options(cli: CLI) -> list[argparse.Action]:
             if a.option_strings and not isinstance(a, NO_VALUE) and a.nargs != 0]
 
 
+def _is_number(a: argparse.Action) -> bool:
+    """A flag(T) over int or float (T's base type: what kind of value, not its range)."""
+    t = getattr(a.type, "schema_type", None)
+    while typing.get_origin(t) is typing.Annotated:
+        t = typing.get_args(t)[0]
+    return t in (int, float)
+
+
 def _kind(cli: CLI, a: argparse.Action) -> str:
-    flag = a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
-    if hasattr(a.type, "schema_type"):
-        return "number"
+    flag = _long(a)
     if flag in cli.paths:
         return "path"
     if flag in cli.outputs:
         return "output"
+    if _is_number(a):
+        return "number"
     if a.choices is not None or flag in cli.names:
         return "name"
     if flag in cli.free:
@@ -130,26 +216,17 @@ def _long(a: argparse.Action) -> str:
     return next((s for s in a.option_strings if s.startswith("--")), a.option_strings[0])
 
 
-def _refused(type_, text: str) -> bool:
-    try:
-        parse(type_, text, "sweep")
-    except SchemaError:
-        return True
-    return False
-
-
 def generated_cases() -> list[tuple[str, str, tuple[str, ...], tuple[str, ...]]]:
-    """(case id, CLI name, argv, words one of which the error line must contain). Path and output cases start
-    from the CLI's valid command line (its placeholders are filled at run time)."""
+    """(case id, CLI name, argv, words one of which the error line must contain). Number cases come from
+    VALUES; path and output cases start from the CLI's valid command line (placeholders filled at run time)."""
     cases = []
     for name, cli in {**CLIS, **SUBCOMMANDS}.items():
         cases.append((f"{name} (missing input)", name, cli.base, (MISSING,)))
         for a in _options(cli):
             flag, kind = _long(a), _kind(cli, a)
-            if kind == "number":
-                for v in NUMBER_CANDIDATES:
-                    if _refused(a.type.schema_type, v):
-                        cases.append((f"{name} {flag}={v!r}", name, (*cli.base, flag, v), (flag, v) if v else (flag,)))
+            if kind == "number" and flag in VALUES[name]:
+                for v in VALUES[name][flag].refuse:
+                    cases.append((f"{name} {flag}={v!r}", name, (*cli.base, flag, v), (flag, v) if v else (flag,)))
             elif kind == "name":
                 cases.append((f"{name} {flag}={UNKNOWN_NAME}", name, (*cli.base, flag, UNKNOWN_NAME), (flag, UNKNOWN_NAME)))
             elif kind == "path" and cli.valid:
@@ -159,6 +236,12 @@ def generated_cases() -> list[tuple[str, str, tuple[str, ...], tuple[str, ...]]]
                 v = "{tmp}/" + OUTPUT_FILE
                 cases.append((f"{name} {flag}=<a file>", name, _with(cli.valid, flag, v), (flag, v)))
     return cases
+
+
+def accepted_cases() -> list[tuple[str, str, str, str]]:
+    """(case id, CLI name, flag, value): every declared boundary value of every number option."""
+    return [(f"{name} {flag}={v}", name, flag, v) for name, table in VALUES.items() for flag, vals in table.items()
+            for v in vals.accept]
 
 
 def _with(argv: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
@@ -214,6 +297,24 @@ def test_every_option_is_classified():
         f"add names/paths/free text to CLIS): {unclassified()}")
 
 
+def test_every_number_option_has_declared_values():
+    """VALUES covers exactly the number options: a new one needs its table row, a removed one loses it."""
+    for name, cli in {**CLIS, **SUBCOMMANDS}.items():
+        numbers = {_long(a) for a in _options(cli) if _kind(cli, a) == "number"}
+        assert numbers == set(VALUES[name]), (name, sorted(numbers ^ set(VALUES[name])))
+        for flag, vals in VALUES[name].items():
+            assert vals.refuse and vals.accept and not set(vals.refuse) & set(vals.accept), (name, flag)
+
+
+def test_path_and_output_cases_exist_for_every_cli_that_can_run():
+    """train and sft included: --data/--init missing, --out an existing file."""
+    ids = {c[0] for c in GENERATED}
+    for name, cli in CLIS.items():
+        if cli.valid:
+            for flag in sorted(cli.paths - {"--config"}) + sorted(cli.outputs):
+                assert any(i.startswith(f"{name} {flag}=<") for i in ids), f"{name} {flag}: no case"
+
+
 def test_no_plain_numeric_types():
     plain = [f"{name} {_long(a)}" for name, cli in {**CLIS, **SUBCOMMANDS}.items() for a in _options(cli)
              if a.type in (int, float)]
@@ -224,8 +325,11 @@ def test_no_plain_numeric_types():
 GENERATED = generated_cases()
 
 
+ACCEPTED = accepted_cases()
+
+
 def test_sweep_is_not_empty():
-    assert len(GENERATED) >= 200, len(GENERATED)
+    assert len(GENERATED) >= 200 and len(ACCEPTED) >= 100, (len(GENERATED), len(ACCEPTED))
 
 
 @pytest.fixture
@@ -247,26 +351,122 @@ def fill(request, tmp_path):
     return fill_one
 
 
+def snapshot(tmp: Path, argv: list[str]) -> dict[str, str]:
+    """sha256 of every file, and every folder's name, under `tmp` and under every existing path on `argv`:
+    all the places a command may write. Equal before and after: nothing changed, nothing new."""
+    roots = [tmp, *(Path(x) for x in argv if x.startswith("/") and Path(x).exists() and not Path(x).is_relative_to(tmp))]
+    out = {}
+    for root in roots:
+        for q in [root, *sorted(root.rglob("*"))] if root.is_dir() else [root]:
+            out[str(q)] = hashlib.sha256(q.read_bytes()).hexdigest() if q.is_file() else "dir"
+    return out
+
+
 @pytest.mark.parametrize(("cli", "argv", "names"), [c[1:] for c in GENERATED], ids=[c[0] for c in GENERATED])
 def test_generated_case(cli, argv, names, fill, tmp_path, capsys):
     argv = [fill(x) for x in argv]
+    before = snapshot(tmp_path, argv)
     assert_one_error(call({**CLIS, **SUBCOMMANDS}[cli].module, argv, capsys), tuple(fill(n) for n in names), " ".join(argv))
     assert (tmp_path / OUTPUT_FILE).read_text(encoding="utf-8") == "keep me\n"
+    assert snapshot(tmp_path, argv) == before, "a refused command changed or wrote files"
+
+
+@pytest.mark.parametrize(("cli", "flag", "value"), [c[1:] for c in ACCEPTED], ids=[c[0] for c in ACCEPTED])
+def test_boundary_value_is_accepted(cli, flag, value):
+    """A declared boundary value parses: tightening a range fails here."""
+    c = {**CLIS, **SUBCOMMANDS}[cli]
+    parser = importlib.import_module(c.module).build_parser()
+    try:
+        parser.parse_args([*c.base, flag, value])
+    except SystemExit as e:
+        pytest.fail(f"{cli} {flag} {value!r} refused at parse time (exit {e.code})")
 
 
 # --------------------------------------------------------------------------------- 3. file table
-def _truncate(p: Path) -> None:
+def _cut(p: Path, keep: int) -> None:
+    p.write_bytes(p.read_bytes()[:max(1, keep)])
+
+
+def _st_parts(p: Path) -> tuple[bytes, dict]:
+    """A safetensors file's (payload, header): an 8-byte little-endian header length, JSON, the data."""
     b = p.read_bytes()
-    p.write_bytes(b[: max(1, len(b) // 2)])
+    n = struct.unpack("<Q", b[:8])[0]
+    return b[8 + n:], json.loads(b[8:8 + n])
 
 
+def _st_write(p: Path, payload: bytes, header: dict) -> None:
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    p.write_bytes(struct.pack("<Q", len(h)) + h + payload)
+
+
+def _st_tensor(header: dict, ndim: int) -> str:
+    """The first tensor (by name) of `ndim` dimensions whose shape is not a palindrome."""
+    return next(k for k, v in sorted(header.items()) if k != "__metadata__" and len(v["shape"]) == ndim
+                and v["shape"] != v["shape"][::-1])
+
+
+def _st_header_cut(p: Path) -> None:
+    _cut(p, 8 + struct.unpack("<Q", p.read_bytes()[:8])[0] // 2)
+
+
+def _st_payload_cut(p: Path) -> None:
+    payload, header = _st_parts(p)
+    _cut(p, p.stat().st_size - len(payload) // 2)
+
+
+def _st_wrong_dtype(p: Path) -> None:
+    """F32 -> I32 on one tensor: the same byte count, so only a dtype check can catch it."""
+    payload, header = _st_parts(p)
+    name = next(k for k, v in sorted(header.items()) if k != "__metadata__" and v["dtype"] == "F32")
+    header[name]["dtype"] = "I32"
+    _st_write(p, payload, header)
+
+
+def _st_wrong_shape(p: Path) -> None:
+    """One matrix's shape reversed: the same byte count, so only a shape check can catch it."""
+    payload, header = _st_parts(p)
+    name = _st_tensor(header, 2)
+    header[name]["shape"] = header[name]["shape"][::-1]
+    _st_write(p, payload, header)
+
+
+def _st_wrong_magic(p: Path) -> None:
+    """safetensors has no magic: its first 8 bytes (the header length) pointing far past the file."""
+    b = p.read_bytes()
+    p.write_bytes(struct.pack("<Q", 2**40) + b[8:])
+
+
+def _gguf_wrong_magic(p: Path) -> None:
+    b = p.read_bytes()
+    assert b[:4] == b"GGUF"
+    p.write_bytes(b"GGUX" + b[4:])
+
+
+GARBAGE = "this is not what prodip wrote {{{\n"
 DAMAGE: dict[str, Callable[[Path], None]] = {
-    "truncated": _truncate,
-    "garbage": lambda p: p.write_text("this is not what prodip wrote {{{\n", encoding="utf-8"),
+    "truncated": lambda p: _cut(p, p.stat().st_size // 2),
+    "garbage": lambda p: p.write_text(GARBAGE, encoding="utf-8"),
     "empty": lambda p: p.write_bytes(b""),
     "binary": lambda p: p.write_bytes(bytes(range(256)) * 4),
     "wrong-shape": lambda p: p.write_text('[1, 2, 3]\n' if p.suffix in (".json", ".jsonl") else "x = 1\n",
-                                          encoding="utf-8"),
+                                          encoding="utf-8"),  # valid JSON / TOML, not the expected structure
+    "header-cut": _st_header_cut,
+    "payload-cut": _st_payload_cut,
+    "wrong-dtype": _st_wrong_dtype,
+    "tensor-shape": _st_wrong_shape,
+    "wrong-magic": _st_wrong_magic,
+    "gguf-magic": _gguf_wrong_magic,
+    "gguf-header-cut": lambda p: _cut(p, 200),  # magic, version, counts and part of the metadata
+    "gguf-payload-cut": lambda p: _cut(p, p.stat().st_size * 3 // 4),  # metadata intact, tensor data cut
+}
+# The damages each format can suffer, each one distinct from the others.
+FORMATS: dict[str, tuple[str, ...]] = {
+    "json": ("truncated", "garbage", "empty", "binary", "wrong-shape"),
+    "safetensors": ("header-cut", "payload-cut", "wrong-dtype", "tensor-shape", "wrong-magic", "empty", "garbage"),
+    "gguf": ("gguf-magic", "gguf-header-cut", "gguf-payload-cut", "empty", "garbage"),
+    "spm": ("truncated", "garbage", "empty", "binary"),  # SentencePiece's protobuf
+    "text": ("binary", "empty"),  # a cut or odd text file is still text
 }
 
 
@@ -276,17 +476,13 @@ def _newest_ckpt(run: Path) -> Path:
     return ckpt.latest(run)
 
 
-ALL_DAMAGE = tuple(sorted(DAMAGE))
-TEXT_DAMAGE = ("binary", "empty")  # a cut or odd text file is still text
-
-
 @dataclass(frozen=True)
 class FileCase:
     cli: str  # key of CLIS
     source: str  # what to copy: "run", "gguf", "data" (session fixtures) or a shipped file under the repo
     target: Callable[[Path], Path]  # the file to damage, inside the copy
     argv: Callable[[Path, Path, Callable[[str], Path]], list[str]]  # (copy, tmp dir, fixture getter) -> argv
-    damages: tuple[str, ...] = ALL_DAMAGE
+    damages: tuple[str, ...] | str = "json"  # a format of FORMATS, or the damages themselves
 
 
 def _train_argv(data: Path, out: Path, *extra: str) -> list[str]:
@@ -321,42 +517,68 @@ def _ckpt(name: str) -> Callable[[Path], Path]:
 
 FILE_CASES: dict[str, FileCase] = {
     "checkpoint state.json (resume)": FileCase("train", "run", _ckpt("state.json"), _resume),
-    "checkpoint optim.safetensors (resume)": FileCase("train", "run", _ckpt("optim.safetensors"), _resume),
-    "checkpoint model.safetensors (resume)": FileCase("train", "run", _ckpt("model.safetensors"), _resume),
+    "checkpoint optim.safetensors (resume)": FileCase("train", "run", _ckpt("optim.safetensors"), _resume,
+                                                      "safetensors"),
+    "checkpoint model.safetensors (resume)": FileCase("train", "run", _ckpt("model.safetensors"), _resume,
+                                                      "safetensors"),
     "run.json (resume)": FileCase("train", "run", lambda r: r / "run.json", _resume),
     "data meta.json (train)": FileCase(
         "train", "data", lambda d: d / "meta.json", lambda d, t, get: _train_argv(d, t / "out")),
     "data tokenizer.model (train)": FileCase(
-        "train", "data", lambda d: d / "tokenizer.model", lambda d, t, get: _train_argv(d, t / "out")),
+        "train", "data", lambda d: d / "tokenizer.model", lambda d, t, get: _train_argv(d, t / "out"), "spm"),
     "TOML config (train)": FileCase(
         "train", TOML, lambda f: f, lambda f, t, get: _train_argv(get("bn_data"), t / "out", "--config", str(f)),
         ("binary", "garbage", "truncated", "wrong-shape")),  # an empty TOML file is a valid, empty config
     "chat set (sft)": FileCase(
         "sft", CHAT, lambda f: f,
         lambda f, t, get: ["--data", str(f), "--init", str(get("rel_run")), "--out", str(t / "o"), *TINY],
-        TEXT_DAMAGE + ("garbage", "wrong-shape")),
+        ("binary", "empty", "garbage", "wrong-shape")),
     "quality.toml (prepare)": FileCase(
         "prepare", QUALITY, lambda f: f,
         lambda f, t, get: ["--input", str(REPO / "training/assets/corpus"), "--out", str(t / "o"), "--quality", str(f)],
         ("binary", "garbage", "wrong-shape")),
     "checkpoint state.json (export)": FileCase("export", "run", _ckpt("state.json"), _export),
     "checkpoint config.json (export)": FileCase("export", "run", _ckpt("config.json"), _export),
+    "checkpoint model.safetensors (export)": FileCase("export", "run", _ckpt("model.safetensors"), _export,
+                                                      "safetensors"),
     "gates.json (export)": FileCase("export", "run", lambda r: r / "gates.json", _export),
     "run.json (export)": FileCase("export", "run", lambda r: r / "run.json", _export),
-    "checkpoint model.safetensors (evaluate)": FileCase("evaluate", "run", _ckpt("model.safetensors"), _evaluate),
-    "tokenizer.model (evaluate)": FileCase("evaluate", "run", _ckpt("tokenizer.model"), _evaluate),
+    "checkpoint model.safetensors (evaluate)": FileCase("evaluate", "run", _ckpt("model.safetensors"), _evaluate,
+                                                        "safetensors"),
+    "tokenizer.model (evaluate)": FileCase("evaluate", "run", _ckpt("tokenizer.model"), _evaluate, "spm"),
     "eval text (evaluate)": FileCase(
         "evaluate", HELDOUT, lambda f: f,
-        lambda f, t, get: [str(get("rel_run")), "--text", str(f), "--no-twin", "--out", str(t / "e")], TEXT_DAMAGE),
+        lambda f, t, get: [str(get("rel_run")), "--text", str(f), "--no-twin", "--out", str(t / "e")], "text"),
     "multiple-choice set (evaluate)": FileCase(
         "evaluate", MC_BN, lambda f: f,
         lambda f, t, get: [str(get("rel_run")), "--mc", str(f), "--no-twin", "--out", str(t / "e")]),
-    "gguf (serving)": FileCase("serving", "gguf", lambda g: g, lambda g, t, get: [str(g), "--prompt", "নমস্কার"]),
+    "gguf (serving)": FileCase("serving", "gguf", lambda g: g, lambda g, t, get: [str(g), "--prompt", "নমস্কার"],
+                               "gguf"),
     "gguf (export.evaluate)": FileCase(
         "export.evaluate", "gguf", lambda g: g, lambda g, t, get: [str(g), "--text", str(REPO / HELDOUT),
-                                                                   "--out", str(t / "e")]),
+                                                                   "--out", str(t / "e")], "gguf"),
 }
-FILE_CASE_IDS = [(case, damage) for case, fc in FILE_CASES.items() for damage in fc.damages]
+
+
+def _damages(fc: FileCase) -> tuple[str, ...]:
+    return FORMATS[fc.damages] if isinstance(fc.damages, str) else fc.damages
+
+
+FILE_CASE_IDS = [(case, damage) for case, fc in FILE_CASES.items() for damage in _damages(fc)]
+# Found by the format-specific damages (#32), not fixed yet: strict, so a fix must delete its line here.
+_DTYPE = "a tensor of the wrong dtype behind a valid header (same byte count) is not refused by name"
+_SHAPE = "a matrix of the wrong shape behind a valid header reaches load_state_dict: traceback"
+KNOWN_GAPS: dict[tuple[str, str], str] = {
+    ("checkpoint optim.safetensors (resume)", "wrong-dtype"): _DTYPE,
+    ("checkpoint model.safetensors (resume)", "wrong-dtype"): _DTYPE,
+    ("checkpoint model.safetensors (export)", "wrong-dtype"): _DTYPE + " (export exits 0)",
+    ("checkpoint model.safetensors (evaluate)", "wrong-dtype"): _DTYPE,
+    ("checkpoint model.safetensors (export)", "tensor-shape"): _SHAPE,
+    ("checkpoint model.safetensors (evaluate)", "tensor-shape"): _SHAPE,
+    ("gguf (export.evaluate)", "gguf-header-cut"): "a GGUF cut inside its metadata: traceback (IndexError)",
+}
+FILE_PARAMS = [pytest.param(c, d, id=f"{c} [{d}]", marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[c, d])]
+                            if (c, d) in KNOWN_GAPS else []) for c, d in FILE_CASE_IDS]
 
 
 def _source(fc: FileCase, request, tmp: Path) -> Path:
@@ -370,7 +592,7 @@ def _source(fc: FileCase, request, tmp: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "damage"), FILE_CASE_IDS, ids=[f"{c} [{d}]" for c, d in FILE_CASE_IDS])
+@pytest.mark.parametrize(("case", "damage"), FILE_PARAMS)
 def test_damaged_file(case, damage, request, tmp_path, capsys):
     fc = FILE_CASES[case]
     src = _source(fc, request, tmp_path)
@@ -380,16 +602,20 @@ def test_damaged_file(case, damage, request, tmp_path, capsys):
     target = fc.target(copy)
     if not target.exists():
         pytest.fail(f"{case}: {target} does not exist in the fixture (layout changed?)")
+    intact = target.read_bytes()
     DAMAGE[damage](target)
-    before = tree_digest(copy.parent)
-    o = call(CLIS[fc.cli].module, fc.argv(copy, tmp_path, request.getfixturevalue), capsys)
+    assert target.read_bytes() != intact, f"{case} [{damage}]: the damage changed nothing"
+    argv = fc.argv(copy, tmp_path, request.getfixturevalue)
+    before = snapshot(tmp_path, argv)
+    o = call(CLIS[fc.cli].module, argv, capsys)
     assert_one_error(o, (target.name,), f"{case} [{damage}]")
-    assert tree_digest(copy.parent) == before, f"{case} [{damage}]: the folder changed"
+    assert snapshot(tmp_path, argv) == before, f"{case} [{damage}]: a refused command changed or wrote files"
 
 
 def test_sweep_counts(capsys):
     """Print the number of cases: README reports it."""
-    n_gen, n_file = len(GENERATED), len(FILE_CASE_IDS)
+    n_gen, n_ok, n_file = len(GENERATED), len(ACCEPTED), len(FILE_CASE_IDS)
     with capsys.disabled():
-        print(f"\nhostile sweep: {n_gen} generated flag cases + {n_file} damaged-file cases")
-    assert n_gen and n_file
+        print(f"\nhostile sweep: {n_gen} refused flag cases + {n_ok} accepted boundary values + {n_file} "
+              f"damaged-file cases = {n_gen + n_ok + n_file} cases, each with an expectation declared in the test")
+    assert n_gen and n_ok and n_file

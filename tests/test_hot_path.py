@@ -17,8 +17,8 @@ from training import checkpoint as ckpt
 from training import model as M
 from training import optim
 from training.config import TrainConfig
+from training.loop.step_reads import StepReads
 from training.model import Transformer, chunked_cross_entropy, preset, token_loss
-from training.trainer import Trainer
 
 pytest_plugins = ("fixtures_gates",)  # gate_data
 TIMING = ("tokens_per_s", "elapsed_s", "peak_mem_gb")  # and the mfu* keys
@@ -128,13 +128,13 @@ def test_sync_free_run_skips_a_nan_step_and_records_what_per_step_reads_record(g
     deferred, per_step = tmp_path / "deferred", tmp_path / "per_step"
     skip = ("--on-nonfinite", "skip", "--grad-accum", "2")
     reads: list[list[int]] = []  # the steps each host read finds waiting
-    read_records = Trainer.read_records
+    read = StepReads.read
 
-    def counted(self):
+    def counted(self, step):
         reads.append([r.step for r in self.pending if r.applied is None])
-        return read_records(self)
+        return read(self, step)
 
-    monkeypatch.setattr(Trainer, "read_records", counted)
+    monkeypatch.setattr(StepReads, "read", counted)  # the component the Trainer reads through
     assert _train("nan_loss_at:3", deferred, gate_data, *skip, "--log-every", "5") == 0
     assert "step 3: non-finite loss/grad" in capsys.readouterr().out
     assert [r for r in reads if r] == [[1], [2, 3, 4], [5], [6, 7, 8]]  # reads at log, eval and last steps only

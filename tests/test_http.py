@@ -21,7 +21,6 @@ from conftest import REPO
 from fixtures_serve import (
     BN_QUESTION,
     RAW_PROMPT,
-    serve_run,  # noqa: F401  (pytest fixture)
 )
 
 from serving import load
@@ -296,3 +295,15 @@ def test_client_disconnect_mid_stream_stops_generation(live):
     assert st.ended_at - hung_up < 2.0, f"generation ran on {st.ended_at - hung_up:.2f}s after the hang-up"
     r = post(live.url, "/v1/chat/completions", json=chat_body(max_tokens=4))
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("flag", [["--raw"], ["--chat"], ["--temperature", "0"], ["--max-tokens", "8"],
+                                  ["--seed", "1"], ["--stop", "x"], ["--system", "x"], ["--stats"]])
+def test_cli_http_refuses_terminal_flags_by_name(serve_run, flag):  # noqa: F811
+    """--http serves requests that carry their own settings: a flag it would drop is refused, by name,
+    before the port is taken or the model loads (issue 28)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "serving", str(serve_run), "--http", "0", *flag], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith(f"error: {flag[0]} does not apply to --http"), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "serving on" not in p.stderr

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 from conftest import REPO
-from fixtures_export import exported, trained_run  # noqa: F401  (fixtures)
 
 from export.lm_eval_tasks import TASK_DIR, TASKS
 from training.checkpoint import load_model

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from fixtures_export import exported, shipped_texts, tatoeba_lines, trained_run  # noqa: F401  (fixtures)
+from fixtures_export import shipped_texts, tatoeba_lines
 
 import serving
 from export.__main__ import main

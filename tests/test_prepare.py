@@ -273,8 +273,10 @@ def test_mix_sets_character_shares(corpus, tmp_path):
 
 
 def test_parse_mix_errors():
-    assert parse_mix("bn=3,en=1") == {"bn": 0.75, "en": 0.25}
-    for bad in ("xx=1", "bn=abc", "bn=-1", "bn=0,en=0", "bn"):
+    assert parse_mix("bn=0.3,en=0.1") == pytest.approx({"bn": 0.75, "en": 0.25})  # relative below a sum of 1
+    assert parse_mix("bn=0.7,en=0.2,other=0.1") == pytest.approx({"bn": 0.7, "en": 0.2, "other": 0.1})
+    # [boundaries-2]: a share past 1, a sum past 1 and a repeated language are refused, not normalized
+    for bad in ("xx=1", "bn=abc", "bn=-1", "bn=0,en=0", "bn", "bn=3,en=1", "bn=0.8,en=0.8", "bn=0.5,bn=0.5"):
         with pytest.raises(PrepareError, match="--mix"):
             parse_mix(bad)
 

@@ -24,7 +24,7 @@ def test_quickstart_runs_every_stage_then_reuses_them(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     p = quickstart(out)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    for stage in ("prepare", "pretrain", "sft", "export + parity"):
+    for stage in ("prepare", "pretrain", "sft", "export + parity", "evaluate vs twin"):
         assert f"=== {stage}: done" in p.stdout
     report = layout.read_json(out / QUICKSTART_DATA / layout.DATA_REPORT)
     assert all(g["passed"] for g in report["gates"])
@@ -38,11 +38,18 @@ def test_quickstart_runs_every_stage_then_reuses_them(tmp_path: Path) -> None:
     parity = layout.read_json(export / layout.PARITY_JSON)
     assert parity["passed"], parity.get("summary")
     assert (export / layout.PARITY_MD).is_file() and (export / layout.CARD).is_file()
+    # the demo's card shows bits/byte beside the random-init twin (issue 31), not "twin not measured"
+    from demo.card import model_card
+    from demo.models import discover_models
+
+    gguf = next(quickstart_gguf_dir(out).glob("*-Q4_K_M.gguf"))
+    bpb = model_card(discover_models(gguf)[0]).get("held-out bits/byte")
+    assert "vs random-init twin" in bpb and "not measured" not in bpb, bpb
 
     t0 = time.perf_counter()
     again = quickstart(out)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "=== pretrain" not in again.stdout and "=== export" not in again.stdout
+    assert "=== pretrain" not in again.stdout and "=== export" not in again.stdout and "=== evaluate" not in again.stdout
     assert time.perf_counter() - t0 < 60
 
 

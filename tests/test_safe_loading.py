@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures_reliability import REPO, FileMaker, plant_pickle, rel_run, run_cli, train_argv  # noqa: F401
+from fixtures_reliability import REPO, FileMaker, plant_pickle, run_cli, train_argv
 
 from training import checkpoint as ckpt
 from training import layout

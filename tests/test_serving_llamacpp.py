@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fixtures_export import exported, trained_run  # noqa: F401  (fixtures)
 
 from serving.backend import SamplingParams
 from serving.llamacpp import GGML_TYPE_F32, PENALTY_LAST_N, LlamaCppBackend
@@ -95,3 +94,21 @@ def test_a_stream_closed_early_leaves_the_backend_usable(exported):  # noqa: F81
         assert [next(stream), next(stream)] == whole[:2]
         stream.close()  # releases the lock and frees the sampler chain
         assert list(b.generate(ids, SamplingParams.greedy(N_NEW))) == whole
+
+
+def test_the_gguf_says_whether_its_model_was_chat_tuned(exported, serve_gguf, tmp_path):  # noqa: F811
+    """prodip.chat_tuned (issue 31): False in the pretraining run's files (Q4_K_M too: llama-quantize copies
+    the metadata), True in the SFT run's, also for a copy far from its run folder."""
+    import shutil
+
+    from serving import describe
+    from serving.chat_session import chat_tuned
+
+    lone = tmp_path / "lone.gguf"
+    shutil.copy(serve_gguf, lone)
+    for path, tuned in ((_gguf(exported, "F16"), False), (_gguf(exported, "Q4_K_M"), False), (lone, True)):
+        b = LlamaCppBackend(path, threads=1)
+        try:
+            assert (b.chat_tuned, chat_tuned(b), describe(b)["chat_tuned"]) == (tuned, tuned, tuned), path
+        finally:
+            b.close()

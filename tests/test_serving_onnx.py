@@ -85,11 +85,27 @@ def test_greedy_generation_equals_torch(onnx_export, backend, torch_model):
 def test_sampling_is_seeded_and_in_vocab(backend, torch_model):
     prompt = torch_model[1].tokenizer.encode("নদীর ধারে", bos=True)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=7)
-    a, b = list(backend.generate(prompt, params)), list(backend.generate(prompt, params))
-    assert a == b and a
-    assert all(0 <= t < backend.vocab_size and t not in backend.eos_ids for t in a)
-    c = list(backend.generate(prompt, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=8)))
-    assert c != a or len(c) < 12  # another seed (and no top-k) gives another draw
+    eos = backend.eos_ids
+    stopping = list(backend.generate(prompt, params))
+    backend.eos_ids = ()  # the length forced: a draw of </s> is kept, so no check depends on when it comes
+    try:
+        a, b = list(backend.generate(prompt, params)), list(backend.generate(prompt, params))
+        c = list(backend.generate(prompt, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0,
+                                                         seed=8)))
+    finally:
+        backend.eos_ids = eos
+    assert a == b and len(a) == 12 and all(0 <= t < backend.vocab_size for t in a)
+    assert c != a  # another seed (and no top-k) gives another draw
+    # with end-of-turn ids in force, the same draws, cut before the first one
+    cut = next((i for i, t in enumerate(a) if t in eos), len(a))
+    assert stopping == a[:cut]
+
+
+# ~3x the values measured through this backend on the probe (#32: the tiny run's model, step 272 of 300):
+# KL(fp32 || q) int8 8.3e-5, int4 2.6e-3; one-token passes vs the full pass: KL int8 1.4e-4, int4 2.3e-5
+# (int4 ~4x: a value that small moves with the summation order), top-1 int8 1.000, int4 0.967.
+SERVE_KL = {"int8": 2.5e-4, "int4": 8e-3}
+INCREMENTAL_KL = {"int8": 4.5e-4, "int4": 1e-4}
 
 
 @pytest.mark.parametrize("variant", ["int8", "int4"])
@@ -103,10 +119,12 @@ def test_quantized_variants_serve(onnx_export, torch_model, variant):
     assert np.isfinite(ql).all()
     kl = kl_mean(fp32.logits(ids), ql)
     print(f"{variant}: KL(fp32||{variant}) {kl:.2e}")
-    assert kl < 0.1
+    assert 0 < kl <= SERVE_KL[variant]
     # int8 scales activations per tensor at run time, so one-token passes differ slightly from the full pass
     inc = q.logits_incremental(ids)
-    assert kl_mean(ql, inc) < 0.01 and (inc.argmax(-1) == ql.argmax(-1)).mean() >= 0.9
+    kl_inc, top1_inc = kl_mean(ql, inc), (inc.argmax(-1) == ql.argmax(-1)).mean()
+    print(f"{variant}: incremental vs full KL {kl_inc:.2e}, top-1 {top1_inc:.3f}")
+    assert kl_inc <= INCREMENTAL_KL[variant] and top1_inc >= 0.9
     assert len(list(q.generate(ids[:8], SamplingParams.greedy(5)))) <= 5
 
 

@@ -13,7 +13,6 @@ import torch
 from conftest import REPO
 from fixtures_serve import (
     BN_QUESTION,
-    serve_run,  # noqa: F401  (pytest fixture)
 )
 
 from serving import load
@@ -246,3 +245,15 @@ def test_threads_are_applied(serve_run):  # noqa: F811
             TorchBackend(serve_run, threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_cli_base_model_completes_text_and_says_so(tiny_run):  # noqa: F811
+    """A pretrained-only run (run.json kind "pretrain") continues the prompt, as --raw does, with one line
+    saying why; --chat applies the chat template anyway, and then says nothing."""
+    args = (str(tiny_run), "--prompt", "আমার সোনার বাংলা", "--temperature", "0", "--max-tokens", "12", "--threads", "1")
+    plain, raw, chat = run_cli(*args), run_cli(*args, "--raw"), run_cli(*args, "--chat")
+    assert plain.returncode == raw.returncode == chat.returncode == 0, plain.stderr + raw.stderr + chat.stderr
+    notes = [ln for ln in plain.stderr.splitlines() if "base model" in ln]
+    assert len(notes) == 1 and "--chat" in notes[0], plain.stderr
+    assert plain.stdout == raw.stdout and "base model" not in raw.stderr + chat.stderr
+    assert run_cli(*args, "--raw", "--chat").returncode == 2  # one or the other

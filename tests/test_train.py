@@ -118,3 +118,33 @@ def test_a_run_folder_from_before_run_json_still_resumes(bn_data: Path, tmp_path
     assert "resumed from" in p.stdout and "(step 2," in p.stdout, p.stdout
     assert [s for s, _, _ in losses(out)] == [1, 2, 3, 4]
     assert layout.read_run_config(out)["train"]["max_steps"] == 4 and (out / layout.RUN_CONFIG).is_file()
+
+
+def test_a_user_folder_with_files_named_like_ours_is_not_taken_for_a_failed_start(bn_data: Path, tmp_path: Path):
+    """#28: "ours" comes from the marker prodip writes first, never from file names a user may have too."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / layout.LOG).write_text('{"my": "own log"}\n')
+    (out / layout.TOKENIZER).write_bytes(b"my own tokenizer")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    p = run_train(*FAST, "--data", str(bn_data), "--out", str(out), "--max-steps", "2", check=False)
+    assert p.returncode == 2 and "not a prodip run folder" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: ")
+    assert {q.name: q.read_bytes() for q in out.iterdir()} == before  # nothing written, nothing appended
+
+
+def test_a_resume_that_would_not_be_exact_or_goes_backwards_is_refused(bn_data: Path, tmp_path: Path) -> None:
+    """#28: another --seed reshuffles the data, and a --max-steps below the run's step would print "done"
+    and rewrite run.json: both are refused with one line naming the flag, and nothing is rewritten."""
+    out = tmp_path / "run"
+    args = [*FAST, "--data", str(bn_data), "--out", str(out), "--eval-every", "0"]
+    run_train(*args, "--max-steps", "3")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for extra, needle in ((["--max-steps", "4", "--seed", "7"], "--seed 1337"),
+                          (["--max-steps", "2"], "--max-steps 2 is below step 3")):
+        p = run_train(*args, *extra, check=False)
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: ")
+        assert {q: q.read_bytes() for q in out.rglob("*") if q.is_file()} == before
+    p = run_train(*args, "--max-steps", "4")  # the same settings and a larger budget still resume
+    assert "resumed from" in p.stdout and [s for s, _, _ in losses(out)] == [1, 2, 3, 4]

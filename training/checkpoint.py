@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from training import layout
+from training.files import save_safetensors
 from training.model import ModelConfig, Transformer
 from training.tokenizer import Tokenizer
 
@@ -168,12 +169,12 @@ def write(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mo
         for stale in ckpt_root.glob(TMP_PREFIX + "*"):  # left behind by a save that was killed mid-way
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-        save_file(_host(weights), str(tmp / MODEL_FILE),
-                  metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
+        save_safetensors(_host(weights), tmp / MODEL_FILE,  # the user's umask, not safetensors' 0600
+                         metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
         extra = _host(optim_tensors or {})
         extra.update(_host({RNG_PREFIX + k: v for k, v in (rng or {}).items()}))
         if extra:
-            save_file(extra, str(tmp / OPTIM_FILE))
+            save_safetensors(extra, tmp / OPTIM_FILE)
         _write_json(tmp / STATE_FILE, {"prodip_format": FORMAT_VERSION, "step": step,
                                        "tokenizer_sha256": tokenizer.sha256, **(state or {})})
         _write_json(tmp / CONFIG_FILE, cfg.to_dict())

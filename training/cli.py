@@ -31,6 +31,14 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: 
              *, errors: tuple[type[BaseException], ...] = (ValueError, OSError), interrupted_hint: str = "") -> int:
     """A CLI's main(): parse `argv`, then run `body(args)` under `guarded`. Returns the exit status in
     both cases (a bad flag: 2, `--help`: 0), so tests can call main(argv) in-process."""
+    from training.text import check_arg
+
+    try:
+        for a in sys.argv[1:] if argv is None else argv:  # non-UTF-8 bytes: refused before anything runs
+            check_arg(str(a), "argument", ValueError)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed the help or the one error line

@@ -21,9 +21,10 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import AfterValidator, Field
 
-from training.gates.preflight import PREFLIGHT
+from training.gates.names import PREFLIGHT_NAMES, is_known_gate
 from training.model import ModelConfig, field_types, model_table, preset, preset_names, preset_tables
 from training.schema import (
+    LocalPath,
     NonNegFloat,
     NonNegInt,
     PositiveFloat,
@@ -65,8 +66,8 @@ def _device(name: str) -> str:
 
 def _known_gate(name: str) -> str:
     """A pre-flight gate (`gradient_flow`), a group of them (`data`) or one result (`data.no_repeats`)."""
-    if name not in PREFLIGHT and name.split(".")[0] not in PREFLIGHT:
-        raise unknown_name("gate", name, PREFLIGHT)
+    if not is_known_gate(name):
+        raise unknown_name("gate", name, PREFLIGHT_NAMES)
     return name
 
 
@@ -74,7 +75,7 @@ PresetName = Annotated[str, AfterValidator(_known_preset)]
 Device = Annotated[str, AfterValidator(_device)]
 GateName = Annotated[str, AfterValidator(_known_gate)]
 Schedule = Literal["cosine", "wsd", "constant"]
-Dtype = Literal["auto", "fp32", "bf16"]  # what training.trainer.autocast_for knows (no fp16 loss scaling)
+Dtype = Literal["auto", "fp32", "bf16"]  # what training.loop.step.autocast_for knows (no fp16 loss scaling)
 # Sizes and counts: bounded so that a typo (10**30) is an error here, not an overflow in torch.
 MAX_SIZE = 2**24  # batch, accumulation, sequence length, validation batches
 MAX_COUNT = 2**62  # steps and tokens: fits int64 with room for arithmetic
@@ -86,8 +87,8 @@ Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # AdamW require
 
 @dataclass
 class TrainConfig:
-    data: str = ""
-    out: str = ""
+    data: LocalPath = ""
+    out: LocalPath = ""
     preset: PresetName = "small"
     max_steps: Count = 0
     max_tokens: Count = 0
@@ -125,7 +126,7 @@ class TrainConfig:
     on_spike: Literal["warn", "skip"] = "warn"
     grad_flow_every: Count = 100
     skip_gates: list[GateName] = field(default_factory=list)
-    init: str = ""
+    init: LocalPath = ""
     reset_optimizer: bool = False
     early_stop_patience: NonNegInt = 0
     log_to: Literal["", "tensorboard"] = ""
@@ -138,7 +139,12 @@ class TrainConfig:
             setattr(self, name, check(type_, getattr(self, name), f"train config {name}"))
 
     def model_config(self, vocab_size: int) -> ModelConfig:
+        """The model of this run over a tokenizer of `vocab_size` pieces. The vocabulary is the data's:
+        a [model] vocab_size / --set vocab_size that differs is refused by name, never replaced."""
         over = dict(self.model)
+        if over.get("vocab_size", vocab_size) != vocab_size:
+            raise ConfigError(f"vocab_size = {over['vocab_size']} ([model] or --set): the data's tokenizer has "
+                              f"{vocab_size} pieces and the model's vocabulary is the tokenizer's; drop the setting")
         over["vocab_size"] = vocab_size
         over.setdefault("max_seq_len", max(self.seq_len, preset(self.preset).max_seq_len))
         try:
@@ -150,7 +156,8 @@ class TrainConfig:
         """The checks across fields, and the model built on paper: all before anything is written."""
         if self.max_steps <= 0 and self.max_tokens <= 0:
             raise ConfigError("set --max-steps or --max-tokens")
-        mc = self.model_config(preset(self.preset).vocab_size)  # the data's vocabulary replaces it later
+        # on paper with the given vocab_size (or the preset's): model_config(data's) checks it later
+        mc = self.model_config(self.model.get("vocab_size", preset(self.preset).vocab_size))
         if self.seq_len > mc.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}")
         return self

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training import layout
-from training.records import RecordError, read_records
+from training.records import RecordError, read_log
 
 CURVES = layout.CURVES
 PANEL_W, PANEL_H, DPI = 5.0, 2.6, 100  # inches per panel, dots per inch: ~100 KB, drawn in well under 1 s
@@ -43,13 +43,13 @@ PANELS = (
 
 def read_series(log_path: Path) -> dict[str, tuple[list[int], list[float]]]:
     """{key: (steps, values)} of every finite number the step records hold. Event records (non-finite
-    diagnostics, skipped spikes) are not steps of the curve. A line torn by a crash ends the reading:
-    what precedes it is still plotted."""
+    diagnostics, skipped spikes) are not steps of the curve. A torn last line is no record
+    (training.records.read_log); a damaged line ends the reading: what precedes it is still plotted."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     try:
-        for rec in read_records(log_path, "training log"):
+        for rec in read_log(log_path):
             r = rec.value
-            if not isinstance(r, dict) or "event" in r or not isinstance(r.get("step"), int):
+            if "event" in r or not isinstance(r.get("step"), int):
                 continue
             for key, v in r.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and key != "step":

@@ -2,13 +2,17 @@
 
 One rule for every CLI that takes files or folders (prepare's --input, --decontaminate, evaluate's
 --mc): sorted (deterministic order), hidden files and folders skipped, missing paths and folders
-without a usable file refused with an error that says what was expected.
+without a usable file refused with an error that says what was expected, and a file whose name is not
+UTF-8 refused by name before anything is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from training.text import check_arg
 
 
 def expand_files(paths: Sequence[str | Path], error: type[Exception], *, what: str,
@@ -25,9 +29,35 @@ def expand_files(paths: Sequence[str | Path], error: type[Exception], *, what: s
             if not found:
                 kinds = f" ({'/'.join(suffixes)})" if suffixes else ""
                 raise error(f"{what} folder has no files{kinds}: {p}")
+            for f in found:  # a name that is not UTF-8 would crash every later print and report
+                check_arg(str(f), f"{what}", error)
             out.extend(found)
         elif p.is_file():
             out.append(p)
         else:
             raise error(f"{what} not found: {p}")
     return out
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (os.umask sets while it reads: a race with the
+    checkpoint writer's thread), from /proc where there is one."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: Mapping, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """safetensors.torch.save_file, and the file then gets the mode every other file of ours gets
+    (0666 less the user's umask): save_file writes through a private temporary file of mode 0600,
+    so exported weights would be unreadable to everyone but their owner."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~umask())

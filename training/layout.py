@@ -25,6 +25,7 @@ TOKENIZER = "tokenizer.model"
 CURVES = "curves.png"
 NONFINITE = "nonfinite.json"
 EARLY_STOP = "early_stop.json"  # written when validation stopped the run early (training.trainer)
+RUN_MARKER = ".prodip_run"  # written first into a run folder: "ours" is decided from it, never from file names
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 

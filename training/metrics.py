@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from training.model import ModelConfig, count_params
+from training.records import RecordError, read_log
 from training.tracking import open_tracker
 
 ATTN_PALM, ATTN_KAPLAN = 12, 6  # attention FLOPs per token, layer, position and d: the two conventions
@@ -137,13 +138,12 @@ class StepLog:
             return
         self._f.close()
         keep = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash
-            if isinstance(rec, dict) and isinstance(rec.get("step", 0), int) and rec.get("step", 0) <= step:
-                keep.append(line)
+        try:
+            for rec in read_log(self.path):  # a torn last line is left out, so the log continues whole
+                if isinstance(rec.value.get("step", 0), int) and rec.value.get("step", 0) <= step:
+                    keep.append(json.dumps(rec.value, ensure_ascii=False))  # as write() wrote it
+        except RecordError as e:  # damage mid-log: keep what precedes it; the log must not stop a resume
+            print(f"warning: {e}; the log continues from the records before it", file=sys.stderr)
         tmp = self.path.with_name(self.path.name + ".tmp")  # atomic: a crash here must not lose the log
         tmp.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
         os.replace(tmp, self.path)

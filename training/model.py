@@ -215,6 +215,11 @@ class Attention(nn.Module):
         present = (k, v)
         rep = self.n_heads // self.n_kv_heads
         if attn_mask is None and past_kv is None:
+            if rep > 1 and q.is_cuda and q.dtype == torch.float32:
+                # on CUDA only the flash kernel (bf16/fp16) takes enable_gqa: fp32 would fall back to the
+                # math kernel, which holds (T x T) scores per head; expanded K/V keep the fused kernels eligible
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                rep = 1
             # training path: SDPA shares each K/V head across `rep` query heads itself (no copies)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
         else:
@@ -338,8 +343,8 @@ def token_loss(logits, targets, loss_mask=None, reduction: str = "mean"):
         return flat
     if reduction == "sum":
         return flat.sum()
-    denom = loss_mask.sum().clamp_min(1) if loss_mask is not None else torch.tensor(flat.numel(), device=flat.device)
-    return flat.sum() / denom
+    # a Python count divides on the device: torch.tensor(n, device=cuda) would be a synchronous host copy
+    return flat.sum() / (loss_mask.sum().clamp_min(1) if loss_mask is not None else flat.numel())
 
 
 # The chunked loss computes at most this many bytes of fp32 logits at once: 2048 rows of a 32 k vocab
@@ -361,8 +366,8 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
         denom = torch.ones((), device=h.device)
     elif mask is not None:
         denom = mask.sum().clamp_min(1)
-    else:
-        denom = torch.tensor(targets.numel(), device=h.device)
+    else:  # a fill kernel, not torch.tensor(n, device=...): that is a pageable host copy and a sync on CUDA
+        denom = torch.full((), targets.numel(), device=h.device)
     return _ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), mask, denom, rows)
 
 

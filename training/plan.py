@@ -30,7 +30,6 @@ checks the whole estimate against a real forward/backward/AdamW step's peak of l
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -43,6 +42,7 @@ from training import model as _model
 from training.config import ConfigError, TrainConfig
 from training.metrics import PEAK_BF16_FLOPS, fmt_duration, lookup_by_name, mfu_flops
 from training.model import ModelConfig, count_params, preset
+from training.records import RecordError, read_log
 from training.schema import NonNegFloat, PositiveFloat, PositiveInt, Probability, flag
 
 GIB = 2**30
@@ -121,7 +121,7 @@ def pick_gpu(cfg: TrainConfig, gpu: str | None, mem_gib: float | None) -> Gpu | 
 
 
 def compute_dtype(cfg: TrainConfig, gpu: Gpu | None) -> str:
-    """What the matmuls run in: training.trainer.autocast_for's rule (auto = bf16 on CUDA)."""
+    """What the matmuls run in: training.loop.step.autocast_for's rule (auto = bf16 on CUDA)."""
     if cfg.dtype != "auto":
         return cfg.dtype
     return "bf16" if gpu is not None else "fp32"
@@ -174,14 +174,13 @@ def measured_tokens_per_s(out: Path) -> float | None:
     if not log.is_file():
         return None
     speeds = []
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by a crash
-        v = rec.get("tokens_per_s") if isinstance(rec, dict) else None
-        if isinstance(v, int | float) and math.isfinite(v) and v > 0:
-            speeds.append(float(v))
+    try:
+        for rec in read_log(log):
+            v = rec.value.get("tokens_per_s")
+            if isinstance(v, int | float) and math.isfinite(v) and v > 0:
+                speeds.append(float(v))
+    except RecordError:
+        pass  # damage mid-log: the speeds logged before it still measure the run
     return statistics.median(speeds[len(speeds) // 2:]) if speeds else None
 
 
@@ -194,7 +193,7 @@ def data_vocab(cfg: TrainConfig) -> tuple[int, int | None, str]:
         train = meta.get("splits", {}).get("train", {}).get("n_tokens")
         if isinstance(vocab, int) and vocab > 0:
             return vocab, train if isinstance(train, int) else None, str(meta_path)
-    return preset(cfg.preset).vocab_size, None, f"preset {cfg.preset} ({meta_path} not read)"
+    return cfg.model.get("vocab_size", preset(cfg.preset).vocab_size), None, f"preset {cfg.preset} ({meta_path} not read)"
 
 
 def world_size() -> int:
@@ -248,21 +247,12 @@ def plan(cfg: TrainConfig, *, gpu: str | None = None, gpu_mem_gb: float | None =
     flops = mfu_flops(mc, cfg.seq_len)
     mem = estimate_memory(mc, cfg.seq_len, cfg.batch_size, dtype=dtype, activation_checkpointing=cfg.activation_checkpointing,
                           world_size=world, fsdp=cfg.fsdp)
-    mode = "FSDP2" if cfg.fsdp and world > 1 else "DDP" if world > 1 else "one process"
-
-    speed, speed_from = tokens_per_s, "--tokens-per-s"
-    if not speed:
-        measured = measured_tokens_per_s(Path(cfg.out))
-        if measured:
-            speed, speed_from = measured, f"measured: median of {Path(cfg.out) / layout.LOG}"
-    if not speed and device is not None and device.peak_flops:
-        assumed = mfu or DEFAULT_MFU
-        speed = assumed * device.peak_flops * world / flops["mfu"]
-        speed_from = f"assumed {assumed:.0%} MFU of {world} x {device.peak_flops / 1e12:.1f} TFLOP/s"
+    speed, speed_from = _speed(cfg, device, flops, world, tokens_per_s, mfu)
     hours = total_tokens / speed / 3600 if speed else None
     usd = hours * cfg.gpu_hourly_usd * world if hours is not None and cfg.gpu_hourly_usd else None
 
     p = print_
+    mode = "FSDP2" if cfg.fsdp and world > 1 else "DDP" if world > 1 else "one process"
     p(f"plan: preset {cfg.preset}, {count_params(mc) / 1e6:,.1f} M parameters "
       f"({count_params(mc, non_embedding=True) / 1e6:,.1f} M non-embedding), vocab {vocab:,} from {vocab_from}")
     p(f"  tokens/step   {cfg.batch_size} x {cfg.grad_accum} x {cfg.seq_len} x {world} GPU(s) = {tokens_per_step:,} ({mode})")
@@ -276,6 +266,40 @@ def plan(cfg: TrainConfig, *, gpu: str | None = None, gpu_mem_gb: float | None =
         p(f"  GPU           {device.name}: {mem_s}, {peak_s} ({device.source})")
     else:
         p("  device        cpu (no GPU to check the memory against)")
+    usable = _print_memory(p, cfg, mem, dtype, device)
+    if speed:
+        cost = f", ${usd:,.2f} at ${cfg.gpu_hourly_usd:g}/GPU-hour" if usd is not None else \
+            " (--gpu-hourly-usd for the cost)"
+        p(f"  speed         {speed:,.0f} tokens/s ({speed_from})")
+        p(f"  time          {fmt_duration(hours * 3600)} ({hours:.2f} h){cost}")
+    else:
+        p("  time          unknown: give --tokens-per-s, or --gpu NAME for an MFU-based estimate")
+    if usable is not None and mem["total"] / GIB > usable:
+        raise PlanError(_does_not_fit(cfg, mem, world, device.name, usable))
+    return {"params": count_params(mc), "vocab_size": vocab, "tokens_per_step": tokens_per_step, "steps": steps,
+            "tokens": total_tokens, "gpus": world, "dtype": dtype, "memory_bytes": mem,
+            "gpu": None if device is None else device.name,
+            "gpu_memory_gib": None if device is None else device.memory_gib,
+            "tokens_per_s": speed, "hours": hours, "usd": usd}
+
+
+def _speed(cfg: TrainConfig, device: Gpu | None, flops: dict[str, float], world: int,
+           tokens_per_s: float | None, mfu: float | None) -> tuple[float | None, str]:
+    """(tokens/s, where from): --tokens-per-s, else measured in --out's log.jsonl, else an assumed MFU."""
+    if tokens_per_s:
+        return tokens_per_s, "--tokens-per-s"
+    measured = measured_tokens_per_s(Path(cfg.out))
+    if measured:
+        return measured, f"measured: median of {Path(cfg.out) / layout.LOG}"
+    if device is not None and device.peak_flops:
+        assumed = mfu or DEFAULT_MFU
+        return (assumed * device.peak_flops * world / flops["mfu"],
+                f"assumed {assumed:.0%} MFU of {world} x {device.peak_flops / 1e12:.1f} TFLOP/s")
+    return tokens_per_s, "--tokens-per-s"
+
+
+def _print_memory(p, cfg: TrainConfig, mem: dict[str, int], dtype: str, device: Gpu | None) -> float | None:
+    """The memory table per GPU; returns the GiB usable on the GPU (None when unknown)."""
     ac = "on" if cfg.activation_checkpointing else "off"
     p(f"  memory per GPU ({dtype} compute, activation checkpointing {ac}):")
     p(f"    weights       {_gib(mem['weights'])}   fp32")
@@ -295,24 +319,14 @@ def plan(cfg: TrainConfig, *, gpu: str | None = None, gpu_mem_gb: float | None =
     verdict = "" if usable is None else (f" of {usable:.1f} usable ({total_gib / usable:.0%})" + (
         ": does NOT fit" if total_gib > usable else ": tight" if total_gib > TIGHT_FRACTION * usable else ": fits"))
     p(f"    total         {_gib(mem['total'])}{verdict}")
-    if speed:
-        cost = f", ${usd:,.2f} at ${cfg.gpu_hourly_usd:g}/GPU-hour" if usd is not None else \
-            " (--gpu-hourly-usd for the cost)"
-        p(f"  speed         {speed:,.0f} tokens/s ({speed_from})")
-        p(f"  time          {fmt_duration(hours * 3600)} ({hours:.2f} h){cost}")
-    else:
-        p("  time          unknown: give --tokens-per-s, or --gpu NAME for an MFU-based estimate")
-    result = {"params": count_params(mc), "vocab_size": vocab, "tokens_per_step": tokens_per_step, "steps": steps,
-              "tokens": total_tokens, "gpus": world, "dtype": dtype, "memory_bytes": mem,
-              "gpu": None if device is None else device.name,
-              "gpu_memory_gib": None if device is None else device.memory_gib,
-              "tokens_per_s": speed, "hours": hours, "usd": usd}
-    if usable is not None and total_gib > usable:
-        biggest = max(("activations", "logits", "optimizer", "weights"), key=lambda k: mem[k])
-        hint = ("lower --batch-size and raise --grad-accum" +
-                ("" if cfg.activation_checkpointing else ", or add --activation-checkpointing") +
-                ("" if cfg.fsdp or world == 1 else ", or --fsdp"))
-        raise PlanError(f"--plan: {cfg.preset} at micro-batch {cfg.batch_size} x {cfg.seq_len} needs ~{total_gib:.1f} GiB "
-                        f"per GPU ({biggest} {mem[biggest] / GIB:.1f} GiB), over the {device.name}'s {usable:.1f} "
-                        f"usable GiB; {hint}")
-    return result
+    return usable
+
+
+def _does_not_fit(cfg: TrainConfig, mem: dict[str, int], world: int, gpu_name: str, usable: float) -> str:
+    biggest = max(("activations", "logits", "optimizer", "weights"), key=lambda k: mem[k])
+    hint = ("lower --batch-size and raise --grad-accum" +
+            ("" if cfg.activation_checkpointing else ", or add --activation-checkpointing") +
+            ("" if cfg.fsdp or world == 1 else ", or --fsdp"))
+    return (f"--plan: {cfg.preset} at micro-batch {cfg.batch_size} x {cfg.seq_len} needs ~{mem['total'] / GIB:.1f} GiB "
+            f"per GPU ({biggest} {mem[biggest] / GIB:.1f} GiB), over the {gpu_name}'s {usable:.1f} "
+            f"usable GiB; {hint}")

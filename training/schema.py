@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
 
 T = TypeVar("T")
 
@@ -37,6 +38,20 @@ NonNegInt = Annotated[int, Field(ge=0)]
 Port = Annotated[int, Field(ge=0, le=65535)]  # 0: let the OS pick a free port
 # Seeds reach torch (uint64), numpy Generators and C long long (llama.cpp): [0, 2^63) fits them all.
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
+
+# A path on this machine. `s3://bucket/run` would otherwise become a local folder named `s3:` and
+# the run would be lost with the machine: every URL scheme is refused until one is supported.
+URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _local_path(text: str) -> str:
+    m = URL_SCHEME.match(text)
+    if m:
+        raise ValueError(f"{m.group(0)} URLs are not supported: give a local path (a mounted folder)")
+    return text
+
+
+LocalPath = Annotated[str, AfterValidator(_local_path)]
 
 
 VALUE_ERROR = "Value error, "  # how pydantic prefixes a ValueError raised by a validator

@@ -17,6 +17,7 @@ the tokenizer has whitespace pieces for it.
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from pathlib import Path
 
@@ -73,6 +74,44 @@ def language_of_counts(c: dict[str, int], threshold: float = 0.6) -> str:
         if c[lang] / total >= threshold:
             return lang
     return "other"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def first_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone surrogate (U+D800..U+DFFF), else None. A surrogate is no character:
+    JSON's "\\ud800" escape and Python's surrogateescape (non-UTF-8 bytes in a path or an argument)
+    both smuggle one into a str, and every writer (UTF-8, sentencepiece) then fails on it."""
+    if text.isascii():
+        return None
+    m = _SURROGATE.search(text)
+    return m.start() if m else None
+
+
+def check_text(text: str, what: str, error: type[Exception] = ValueError) -> str:
+    """The one text check at an input boundary: `text` itself, or `error` naming `what` and the first
+    code point that is not valid Unicode (a str decoded from UTF-8 holds none; JSON escapes can)."""
+    pos = first_surrogate(text)
+    if pos is not None:
+        raise error(f"{what}: not valid Unicode text (a lone surrogate U+{ord(text[pos]):04X} at "
+                    f"character {pos}; JSON escapes like \\ud800 must come in pairs)")
+    return text
+
+
+def check_arg(text: str, what: str, error: type[Exception] = ValueError) -> str:
+    """A command-line argument or path: `error` naming it when it holds bytes that are not UTF-8
+    (Python keeps them as surrogates U+DC80..U+DCFF; every later print or write would crash)."""
+    pos = first_surrogate(text)
+    if pos is not None:
+        cp = ord(text[pos])
+        byte = f"byte 0x{cp - 0xDC00:02x}" if 0xDC80 <= cp <= 0xDCFF else f"U+{cp:04X}"
+        try:  # the bytes as given, undecodable ones as \\xff
+            shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:
+            shown = text.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise error(f"{what} '{shown}': not UTF-8 ({byte} at character {pos}); rename it or pass UTF-8 text")
+    return text
 
 
 def read_utf8(path: str | Path, what: str, error: type[Exception] = ValueError) -> str:

@@ -1,6 +1,10 @@
 """Training-step throughput: prodip's Transformer vs transformers.LlamaForCausalLM, same config and
 batch, same process, on this machine's CPU (or CUDA with --device cuda). Prints a Markdown table.
 
+prodip's side is the Trainer's own step (training.loop.step.TrainStep: the same wrapping, autocast,
+chunked loss, gradient clipping and AdamW as train.py, built from a TrainConfig), never a copy; the
+transformers side is the plain loop with the same clipping (what HF's Trainer does by default).
+
     python tests/benchmarks/bench_train.py [--preset tiny|small] [--batch 8] [--seq 256] [--steps 10]
 """
 
@@ -15,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import transformers
 
+from training import distributed as D
+from training.config import TrainConfig
+from training.loop.step import RepeatBatch, TrainStep, build_views
 from training.model import Transformer, count_params, preset
 
 
@@ -27,29 +34,38 @@ def hf_model(cfg) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(hc)
 
 
-def step_fn(model, ours: bool):
-    def step(x, y):
-        if ours:
-            _, loss = model(x, y)
-        else:
-            loss = torch.nn.functional.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
+def prodip_step(model: Transformer, a: argparse.Namespace):
+    """The Trainer's step over `model`, configured as train.py would be with these flags."""
+    cfg = TrainConfig(preset=a.preset, batch_size=a.batch, seq_len=a.seq, device=a.device, max_steps=10**6,
+                      warmup_steps=0)
+    d = D.Dist()
+    step = TrainStep(build_views(model, cfg, d, torch.device(a.device)), cfg, d)
+    return lambda i, batches: step.timed(i + 1, batches)
+
+
+def hf_step(model: torch.nn.Module):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(i: int, batches: RepeatBatch) -> torch.Tensor:
+        x, y = batches.next_batch(0)
+        loss = torch.nn.functional.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss
 
     return step
 
 
-def measure(model, ours: bool, x, y, steps: int, warmup: int = 2) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = step_fn(model, ours)
+def measure(step, batches: RepeatBatch, steps: int, warmup: int = 2) -> float:
+    x = batches.batch[0]
     for i in range(warmup + steps):
         if i == warmup:
             if x.is_cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-        step(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step(i, batches)
     if x.is_cuda:
         torch.cuda.synchronize()
     return x.numel() * steps / (time.perf_counter() - t0)
@@ -66,13 +82,14 @@ def main() -> None:
     a = ap.parse_args()
     cfg = preset(a.preset)
     torch.manual_seed(0)
-    ours, theirs = Transformer(cfg).to(a.device), hf_model(cfg).to(a.device)
+    ours, theirs = prodip_step(Transformer(cfg), a), hf_step(hf_model(cfg).to(a.device))
     x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=a.device)
     y = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=a.device)
+    batches = RepeatBatch(x, y)
     best = {"prodip": 0.0, "transformers": 0.0}
     for _ in range(a.rounds):  # alternate, so drift in machine load hits both sides alike
-        best["prodip"] = max(best["prodip"], measure(ours, True, x, y, a.steps))
-        best["transformers"] = max(best["transformers"], measure(theirs, False, x, y, a.steps))
+        best["prodip"] = max(best["prodip"], measure(ours, batches, a.steps))
+        best["transformers"] = max(best["transformers"], measure(theirs, batches, a.steps))
     print(f"preset {a.preset} ({count_params(cfg) / 1e6:.1f} M params), batch {a.batch} x seq {a.seq}, {a.device}, "
           f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads\n")
     print("| model | train tokens/s | ratio |")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import Field
 
 from training import layout
 from training.checkpoint import load_model
@@ -30,6 +32,8 @@ from training.schema import NonNegFloat, NonNegInt, PositiveInt, Seed, check, fl
 
 EVAL_DIR = "eval"  # RUN/eval holds a checkpoint's OUTPUT_FILES
 PROMPT_FORMATS = ("auto", "chat", "plain")  # auto: chat for an SFT run, plain text otherwise
+MAX_GEN_TOKENS = 1 << 16  # refused at parse time; the model's own context is checked once it is read
+GenTokens = Annotated[int, Field(ge=0, le=MAX_GEN_TOKENS)]
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -70,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default=None, metavar="FILE",
                     help="prompts (one per line) answered greedily and scored for Bengali well-formedness "
                          "(default with --text/--mc: training/assets/chat/prompts_bn.txt, the demo's examples)")
-    ap.add_argument("--gen-tokens", type=flag(NonNegInt), default=GEN_TOKENS, metavar="N",
-                    help="new tokens per answer; 0 skips generation")
+    ap.add_argument("--gen-tokens", type=flag(GenTokens), default=GEN_TOKENS, metavar="N",
+                    help=f"new tokens per answer, fewer than the model's context (at most {MAX_GEN_TOKENS}); "
+                         "0 skips generation")
     ap.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                     help="chat template or plain continuation (auto: chat for an SFT run)")
     ap.add_argument("--fail-on-gate", action="store_true", help="exit 1 when the twin gate fails")
@@ -121,6 +126,9 @@ def run_cli(args: argparse.Namespace) -> int:
                         prompts=prompts, gen_tokens=args.gen_tokens, chat=prompt_format(args.prompt_format, run_dir))
     device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
     model, ck = load_model(Path(args.path), args.step, device=device)
+    if prompts and args.gen_tokens >= ck.config.max_seq_len:  # else silently cut at the context's end
+        raise EvalError(f"--gen-tokens {args.gen_tokens}: the model's context is {ck.config.max_seq_len} tokens, "
+                        "the prompt included; give fewer")
     out_dir = Path(args.out) if args.out else (run_dir / EVAL_DIR if run_dir else None)
     if out_dir is None:
         raise EvalError(f"{args.path} is a checkpoint outside a run folder; pass --out DIR")

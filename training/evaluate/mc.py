@@ -10,6 +10,7 @@ chance rate (the mean of 1/choices). Formats read:
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -63,24 +64,56 @@ def _item(context: str | list[str], choices: list[str], gold: int) -> MCItem:
     return MCItem(contexts, [join_choice(c, ch) for c, ch in zip(contexts, choices)], gold)
 
 
+def _strings(rec: dict, key: str) -> list[str]:
+    """rec[key] as a list of strings (the choices): a string, an object or a number is no list of choices."""
+    v = rec[key]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise EvalError(f"{key!r} must be a list of strings, got {type(v).__name__} {_shown(v)}")
+    return v
+
+
+def _string(rec: dict, key: str) -> str:
+    if not isinstance(rec[key], str):
+        raise EvalError(f"{key!r} must be a string, got {type(rec[key]).__name__} {_shown(rec[key])}")
+    return rec[key]
+
+
+def _gold(rec: dict, key: str) -> int:
+    """The gold index: a JSON integer (true/false and 1.0 are no index), or a string of digits, as
+    Hugging Face's copy of HellaSwag stores its label."""
+    v = rec[key]
+    if isinstance(v, str) and v.isascii() and v.isdigit():
+        return int(v)
+    if type(v) is not int:
+        raise EvalError(f"{key!r} must be an integer index, got {type(v).__name__} {_shown(v)}")
+    return v
+
+
+def _shown(v: object) -> str:
+    return json.dumps(v, ensure_ascii=False)[:40]
+
+
 def parse_mc_record(rec: dict) -> tuple[str, MCItem]:
-    """(format name, item) for one record of a supported format; EvalError otherwise."""
+    """(format name, item) for one record of a supported format, its fields checked against the
+    format (choices a list of strings, gold an integer); EvalError naming the field otherwise."""
     if not isinstance(rec, dict):
         raise EvalError(f"expected a JSON object, got {type(rec).__name__}")
     if {"query", "choices", "gold"} <= rec.keys():
-        return "llm-foundry", _item(rec["query"], list(rec["choices"]), rec["gold"])
+        return "llm-foundry", _item(_string(rec, "query"), _strings(rec, "choices"), _gold(rec, "gold"))
     if {"context_options", "continuation", "gold"} <= rec.keys():  # Winogrande: shared continuation
-        ctxs = list(rec["context_options"])
-        return "winogrande", _item(ctxs, [rec["continuation"]] * len(ctxs), rec["gold"])
+        ctxs = _strings(rec, "context_options")
+        return "winogrande", _item(ctxs, [_string(rec, "continuation")] * len(ctxs), _gold(rec, "gold"))
     if {"ctx", "endings", "label"} <= rec.keys():
-        return "hellaswag", _item(_hellaswag_clean(rec["ctx"]), [_hellaswag_clean(e) for e in rec["endings"]],
-                                  rec["label"])
+        return "hellaswag", _item(_hellaswag_clean(_string(rec, "ctx")),
+                                  [_hellaswag_clean(e) for e in _strings(rec, "endings")], _gold(rec, "label"))
     if {"instruction", "option_a", "answer"} <= rec.keys():  # Okapi m_ARC, lm-evaluation-harness's prompt
-        opts = [rec[f"option_{c}"] for c in OKAPI_LETTERS if rec.get(f"option_{c}")]
-        letter = str(rec["answer"]).strip().lower()
-        if len(letter) != 1 or letter not in OKAPI_LETTERS:
-            raise EvalError(f"answer must be a letter A-{OKAPI_LETTERS[len(opts) - 1].upper()}, got {rec['answer']!r}")
-        return "okapi-arc", _item(f"Question: {rec['instruction']}\nAnswer:", opts, OKAPI_LETTERS.index(letter))
+        keys = [f"option_{c}" for c in OKAPI_LETTERS if rec.get(f"option_{c}")]
+        opts = [_string(rec, k) for k in keys]
+        answer = _string(rec, "answer")
+        letter = answer.strip().lower()
+        if len(letter) != 1 or letter not in OKAPI_LETTERS[: len(opts)]:
+            raise EvalError(f"answer must be a letter A-{OKAPI_LETTERS[len(opts) - 1].upper()}, got {answer!r}")
+        return "okapi-arc", _item(f"Question: {_string(rec, 'instruction')}\nAnswer:", opts, OKAPI_LETTERS.index(letter))
     raise EvalError(f"unknown multiple-choice record with keys {sorted(rec)}; expected query/choices/gold, "
                     "context_options/continuation/gold, ctx/endings/label or instruction/option_a../answer")
 
@@ -88,15 +121,8 @@ def parse_mc_record(rec: dict) -> tuple[str, MCItem]:
 def _validate(item: MCItem) -> MCItem:
     if item.n_choices < 2:
         raise EvalError(f"needs at least 2 choices, got {item.n_choices}")
-    if not all(isinstance(s, str) for s in (*item.contexts, *item.continuations)):
-        raise EvalError("contexts and choices must be strings")
-    try:
-        gold = int(item.gold)
-    except (TypeError, ValueError):
-        raise EvalError(f"gold must be an integer index, got {item.gold!r}") from None
-    if not 0 <= gold < item.n_choices:
-        raise EvalError(f"gold index {gold} out of range for {item.n_choices} choices")
-    item.gold = gold
+    if not 0 <= item.gold < item.n_choices:
+        raise EvalError(f"gold index {item.gold} out of range for {item.n_choices} choices")
     return item
 
 

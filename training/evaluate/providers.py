@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from training import chat as chat_template
+from training.decode import decode
 from training.model import Transformer
 from training.tokenizer import Tokenizer
 
@@ -89,15 +90,5 @@ class TorchProvider:
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Argmax continuation of `ids`: stops at </s> or <|im_end|>, max_new_tokens or the context's end."""
         stop = {self.tokenizer.eos_id, self.tokenizer.im_end_id}
-        out: list[int] = []
-        x = torch.as_tensor([list(ids)], dtype=torch.long, device=self.device)
-        pos, past = torch.arange(x.shape[1], device=self.device)[None], None
-        for _ in range(min(max_new_tokens, self.n_ctx - len(ids))):
-            logits, past = self.model.forward_with_cache(x, pos, past)
-            nxt = int(logits[0, -1].argmax())
-            if nxt in stop:
-                break
-            out.append(nxt)
-            x = torch.tensor([[nxt]], dtype=torch.long, device=self.device)
-            pos = torch.tensor([[len(ids) + len(out) - 1]], device=self.device)
-        return out
+        budget = min(max_new_tokens, self.n_ctx - len(ids))
+        return list(decode(self.model, ids, budget, lambda row: int(row.argmax()), stop))

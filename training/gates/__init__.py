@@ -1,5 +1,6 @@
 """Gates: checks that must pass before GPU hours are spent or a model is shipped.
 
+    names.py      the pre-flight gates' names, what --skip-gate takes (a leaf: config validates against it)
     result.py     GateResult, GateReport, GateError, require_passed (torch-free)
     context.py    PreflightContext: everything a pre-flight gate may look at (torch-free)
     preflight.py  the registry of pre-flight gates and run_preflight

@@ -35,6 +35,8 @@ Gate = Callable[[PreflightContext], list[GateResult]]
 
 # Order matters: cheap and decisive first; each gate's name is what --skip-gate takes (a group
 # name skips all of its results, a full result name like data.no_repeats skips just that one).
+# The names are also listed in training.gates.names (the leaf config.py validates against);
+# tests/test_architecture.py checks the two agree.
 PREFLIGHT: dict[str, Gate] = {
     "frozen_parameters": lambda ctx: [frozen_parameters(ctx.raw_model)],
     "gradient_flow": lambda ctx: [gradient_flow(ctx)],

@@ -28,6 +28,7 @@ import numpy as np
 from training.files import expand_files
 from training.prepare.dedup import extend_ngrams, ngram_hashes, word_hashes
 from training.prepare.errors import PrepareError
+from training.records import JSONBoundError, loads
 from training.text import match_words, normalize
 
 EVAL_TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".ndjson", ".tsv")  # what --decontaminate folders yield
@@ -67,9 +68,9 @@ def _records(path: Path) -> list:
     text = path.read_text(encoding="utf-8")
     stripped = text.lstrip()
     if stripped.startswith("["):
-        data = json.loads(stripped)
+        data = loads(stripped)  # the one bounded reader (training.records): depth, valid Unicode
         return data if isinstance(data, list) else [data]
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [loads(line) for line in text.splitlines() if line.strip()]
 
 
 def eval_texts(path: Path) -> tuple[list[str], str]:
@@ -92,7 +93,7 @@ def eval_texts(path: Path) -> tuple[list[str], str]:
             return texts, how
         paras = [p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
         return paras, f"{len(paras)} paragraphs"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, JSONBoundError) as e:
         raise PrepareError(f"--decontaminate {path}: not readable as text/JSON/JSONL ({e})") from None
 
 

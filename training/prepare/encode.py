@@ -1,5 +1,5 @@
 """Pass 3, encode: kept documents as <s> ids </s> on worker processes, in input order, into
-fixed-size shards (training.data.ShardWriter): the same shards for any worker count."""
+fixed-size shards (training.shards.ShardWriter): the same shards for any worker count."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from training.prepare.pool import chunks, ordered_map, resolve_workers
 from training.prepare.sample import mix_kept
 from training.prepare.sources import clean
 from training.progress import bar as progress_bar
+from training.shards import ShardWriter
 from training.text import LANGUAGES
 from training.tokenizer import Tokenizer
 
@@ -55,8 +56,6 @@ def encode_chunk(docs: list[str], keep: dict[str, float] | None, val_fraction: f
 
 def encode_pass(cr: CleanResult, opt: Options, keep: dict[str, float] | None, tok: Tokenizer, tmp: Path
                 ) -> tuple[dict[str, dict], dict[str, int]]:
-    from training.data import ShardWriter  # imported here: workers and the other passes never need torch
-
     writers = {s: ShardWriter(tmp / s, tok.vocab_size, tok.sha256, opt.shard_tokens) for s in ("train", "val")}
     stats = {s: {"n_tokens": 0, "n_shards": 0, "n_docs": 0, "n_bytes": 0, "n_chars": 0} for s in writers}
     dtype = np.dtype(writers["train"].dtype).name

@@ -26,6 +26,7 @@ from training.prepare.errors import GateFailed, PrepareError
 from training.prepare.options import DATA_FORMAT_VERSION
 from training.prepare.pipeline import _check_out, finish
 from training.prepare.report import report_md
+from training.shards import DataError, read_header
 
 SAME_OPTIONS = ("seed", "val_fraction", "text_field", "filters", "dedup", "near_dedup")
 SUMMED = ("n_tokens", "n_shards", "n_docs", "n_bytes", "n_chars")
@@ -42,8 +43,6 @@ def _read(folder: Path) -> tuple[dict, dict]:
 
 
 def _check_shard_files(folder: Path, meta: dict) -> dict[str, list[Path]]:
-    from training.data import DataError, read_header  # torch: only here, where shards are read
-
     files = {}
     for split in layout.SPLITS:
         paths = sorted((folder / split).glob("shard_*.bin"))

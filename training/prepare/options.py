@@ -104,8 +104,13 @@ class Options:
                                "tokenizer (train it first with one ordinary prepare run)")
 
 
+MIX_SUM_SLACK = 1e-9  # decimal shares in binary floats: 0.7 + 0.2 + 0.1 is 0.9999999999999999
+
+
 def parse_mix(spec: str | dict[str, float] | None) -> dict[str, float] | None:
-    """'bn=0.8,en=0.2' -> {'bn': 0.8, 'en': 0.2} (normalized to sum 1 over the named languages)."""
+    """'bn=0.8,en=0.2' -> {'bn': 0.8, 'en': 0.2}: shares in [0, 1] summing to at most 1, each language
+    once (a share past 1 or a sum past 1 is a typo, refused by value); shares summing below 1 are
+    relative among the named languages (bn=0.4,en=0.4 is bn=0.5,en=0.5), as docs/tokenizer.md says."""
     if spec is None or spec == "":
         return None
     if isinstance(spec, str):
@@ -114,6 +119,8 @@ def parse_mix(spec: str | dict[str, float] | None) -> dict[str, float] | None:
             lang, sep, val = part.partition("=")
             if not sep:
                 raise PrepareError(f"--mix: bad share {part!r}; expected e.g. bn=0.8,en=0.2")
+            if lang.strip() in out:
+                raise PrepareError(f"--mix {spec}: {lang.strip()} is given twice; give each language once")
             out[lang.strip()] = val.strip()
     else:
         out = {str(k): str(v) for k, v in spec.items()}
@@ -126,6 +133,11 @@ def parse_mix(spec: str | dict[str, float] | None) -> dict[str, float] | None:
     total = sum(out.values())
     if total <= 0:
         raise PrepareError("--mix: shares must not all be zero")
+    for lang, share in out.items():
+        if share > 1:
+            raise PrepareError(f"--mix {spec}: the share of {lang} is {share:g}; a share is at most 1")
+    if total > 1 + MIX_SUM_SLACK:
+        raise PrepareError(f"--mix {spec}: the shares sum to {total:g}; they must sum to at most 1")
     return {k: v / total for k, v in out.items()}
 
 

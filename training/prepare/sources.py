@@ -20,6 +20,7 @@ from pathlib import Path
 
 from training.files import expand_files
 from training.prepare.errors import PrepareError, Unreadable
+from training.records import JSONBoundError, loads
 from training.schema import unknown_name
 from training.text import normalize
 
@@ -89,9 +90,11 @@ def _jsonl_texts(lines: Iterator[str], text_field: str) -> Iterator[str]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = loads(line)  # the one bounded reader: depth, and text that is valid Unicode
         except json.JSONDecodeError as e:
             raise Unreadable(f"line {n} is not JSON ({e.msg}); JSONL needs one JSON object per line") from None
+        except JSONBoundError as e:
+            raise Unreadable(f"line {n}: {e}") from None
         if not isinstance(rec, dict) or text_field not in rec:
             raise Unreadable(f"line {n} has no {text_field!r} field")
         text = rec[text_field]

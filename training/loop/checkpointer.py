@@ -1,0 +1,267 @@
+"""Checkpointer: the newest complete checkpoint, an exact resume, saves (async, keep-N), on its cadence.
+
+What a checkpoint's state.json holds beyond the model, optimizer and RNG tensors is collected from the
+registered components (`register(key, component)`: `state_dict()` at save, `load_state_dict()` at
+resume; key None merges the component's keys at the top level), never packed by hand. Rank 0 alone
+writes (training.checkpoint.CheckpointWriter, on a background thread unless --no-async-checkpoints);
+every rank gathers and learns of a failed write. Nothing is written by find_latest or resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import sys
+from collections.abc import Callable, Container
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from training import checkpoint as ckpt
+from training import distributed as D
+from training import layout, optim
+from training.config import TrainConfig
+from training.loop.ranks import USER_ERRORS, TrainError, agreed
+from training.loop.step import ModelViews
+from training.tokenizer import Tokenizer
+
+# settings a resume must share with the run it continues: another one would not continue it exactly
+EXACT_SETTINGS = ("seed", "seq_len", "batch_size")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Live:
+    """A component looked up at each use (the data loader is wrapped by a Prefetcher once the loop starts)."""
+
+    def __init__(self, get: Callable[[], Stateful]):
+        self.get = get
+
+    def state_dict(self) -> dict:
+        return self.get().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.get().load_state_dict(state)
+
+
+class Checkpointer:
+    def __init__(self, out: Path, d: D.Dist, device: torch.device, cfg: TrainConfig, *, kind: str,
+                 log: Callable[[dict], None], say: Callable[[str], None]):
+        self.out, self.dist, self.device, self.cfg, self.kind = Path(out), d, device, cfg, kind
+        self.log, self.say = log, say  # a --reset-optimizer resume is recorded in log.jsonl and said
+        self.writer = ckpt.CheckpointWriter(asynchronous=cfg.async_checkpoints)  # rank 0 alone writes with it
+        self.components: list[tuple[str | None, str, Stateful]] = []
+        self.saved_step = 0
+        self.keep: Callable[[], Container[int]] = tuple  # steps keep-N must not prune (the best, early stopping)
+
+    def register(self, key: str | None, component: Stateful, what: str = "") -> None:
+        self.components.append((key, what or str(key), component))
+
+    def should_save(self, step: int, *, last: bool, stopping: bool, new_best: bool) -> bool:
+        every = self.cfg.save_every
+        return bool((every and step % every == 0) or last or stopping or new_best)
+
+    # ------------------------------------------------------------------------------------ find
+    def find_latest(self, tokenizer_sha: str, total_steps: int) -> Path | None:
+        """This rank's newest complete checkpoint, checked to resume this run exactly (headers only)."""
+        latest = ckpt.latest(self.out)
+        if latest is None:
+            return None
+        st = ckpt.read_state(latest, ckpt.RESUME_STATE_SCHEMA)
+        if not (latest / ckpt.MODEL_FILE).is_file():
+            raise ckpt.CheckpointError(f"cannot resume {latest}: {latest / ckpt.MODEL_FILE} (the model weights) "
+                                       "not found; delete that checkpoint to resume from the one before")
+        ckpt.check_readable(latest)  # headers only, cheap: a truncated file fails before anything is loaded
+        if st["tokenizer_sha256"] != tokenizer_sha:
+            raise TrainError(f"cannot resume {latest}: it was trained with another tokenizer than "
+                             f"{self.cfg.data}/{layout.TOKENIZER} (data prepared with a different tokenizer); "
+                             "use the original data or another --out")
+        was = st.get("train") if isinstance(st.get("train"), dict) else {}
+        for key in EXACT_SETTINGS:
+            if key in was and was[key] != getattr(self.cfg, key):
+                flag = "--" + key.replace("_", "-")
+                raise TrainError(f"cannot resume {latest} exactly: it was trained with {flag} {was[key]} (this "
+                                 f"command: {flag} {getattr(self.cfg, key)}); use {flag} {was[key]}, or another --out")
+        if st["step"] > total_steps:  # a budget below what the run has trained: refused, nothing rewritten
+            cfg = self.cfg
+            flag = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--max-tokens {cfg.max_tokens} ({total_steps} steps)"
+            raise TrainError(f"{flag} is below step {st['step']}, where {self.out} already is; give a larger "
+                             "budget to train on, or use another --out")
+        return latest
+
+    def init_from(self, model: torch.nn.Module, tokenizer_sha: str) -> Path:
+        """--init: the weights of another run's checkpoint, of the same model and tokenizer."""
+        init = ckpt.load(self.cfg.init)
+        if init.config.to_dict() != model.cfg.to_dict():
+            raise TrainError(f"--init {self.cfg.init}: its model config differs from this run's")
+        if init.tokenizer.sha256 != tokenizer_sha:
+            raise TrainError(f"--init {self.cfg.init} was trained with another tokenizer than this data's")
+        ckpt.load_weights(model, init.weights)
+        return init.path
+
+    @staticmethod
+    def fingerprint(path: Path | None) -> str:
+        return "" if path is None else hashlib.sha256((path / ckpt.STATE_FILE).read_bytes()).hexdigest()
+
+    # ---------------------------------------------------------------------------------- resume
+    def resume(self, path: Path, views: ModelViews) -> int:
+        """Load the checkpoint into the model, optimizer, RNG and the registered components: exactly, or
+        CheckpointError naming the file; its step. Nothing is written (a --reset-optimizer event waits
+        in the log's queue).
+
+        Under torchrun rank 0 alone reads and checks the tensors and broadcasts them one at a time
+        (D.load_full_state(from_rank0=True)): the other ranks read only state.json and the RNG state."""
+        d = self.dist
+
+        def read() -> tuple[dict, dict, dict | None, dict, str | None]:
+            state = ckpt.read_state(path, ckpt.RESUME_STATE_SCHEMA)
+            if d.is_main:
+                return (state, *self._read_tensors(path, state, views))
+            return state, {}, None, self._read_rng(path), None
+
+        state, weights, optim_sd, rng, problem = agreed(d, self.device, f"reading {path}", read)
+        # rank 0's decisions: is there an optimizer state to load, and an RNG state to restore
+        load_optim, restore_rng = d.broadcast_ints([int(optim_sd is not None), int(bool(rng))], self.device)
+        try:
+            D.load_full_state(views.wrapped, views.optimizer if load_optim else None, weights, optim_sd,
+                              from_rank0=d.enabled)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ckpt.CheckpointError(f"cannot resume {path}: its optimizer state does not fit ({e})") from None
+        del weights, optim_sd
+        for key, what, component in self.components:
+            try:
+                component.load_state_dict(state if key is None else state[key])
+            except (KeyError, TypeError) as e:
+                raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: damaged {what} ({e!r})") from None
+        rng_restored = bool(rng and restore_rng)
+        if rng_restored:
+            optim.set_rng_state(rng, self.device)
+        self.saved_step = state["step"]
+        if self.cfg.reset_optimizer:
+            reason = problem or "requested (--reset-optimizer)"
+            self.log({"event": "reset_optimizer", "step": state["step"], "reason": reason, "rng_restored": rng_restored})
+            self.say(f"warning: resuming {path} with fresh optimizer moments: {reason}")
+        self.say(f"resumed from {path} (step {state['step']}, {state['tokens']:,} tokens)")
+        return state["step"]
+
+    def _read_tensors(self, path: Path, state: dict, views: ModelViews) -> tuple[dict, dict | None, dict, str | None]:
+        """Rank 0's read: (weights, optimizer state or None, RNG, why the optimizer state is dropped
+        under --reset-optimizer), every tensor checked against the model."""
+        ck = ckpt.load(path)
+        if ck.config.to_dict() != views.model.cfg.to_dict():
+            raise ckpt.CheckpointError(f"cannot resume {path}: its {ckpt.CONFIG_FILE} differs from the run's "
+                                       "model config")
+        ckpt.check_fits(views.model, ck.weights, path / ckpt.MODEL_FILE)
+        optim_sd, rng, problem = None, {}, None
+        try:
+            optim_tensors, rng = ck.optimizer_and_rng(strict=True)
+            groups = state.get("optimizer_param_groups")
+            if not isinstance(groups, list):
+                raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: no optimizer_param_groups")
+            ckpt.check_optimizer_fits(views.trainable, optim_tensors, rng, path / ckpt.OPTIM_FILE)
+            optim_sd = ckpt.unflatten_optimizer(optim_tensors, groups, None)
+        except ckpt.CheckpointError as e:
+            if not self.cfg.reset_optimizer:
+                raise ckpt.CheckpointError(f"cannot resume {path} exactly: {e}; --reset-optimizer resumes it with "
+                                           "fresh optimizer moments (recorded in log.jsonl)") from None
+            problem, rng = str(e), {}
+        if self.cfg.reset_optimizer:
+            optim_sd = None
+        return ck.weights, optim_sd, rng, problem
+
+    @staticmethod
+    def _read_rng(path: Path) -> dict[str, torch.Tensor]:
+        """The RNG states alone from a checkpoint's optimizer file (the other ranks' share of a resume)."""
+        from safetensors import SafetensorError, safe_open
+
+        f = path / ckpt.OPTIM_FILE
+        if not f.is_file():
+            return {}
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                keys = [k for k in st.keys() if k.startswith(ckpt.RNG_PREFIX)]  # noqa: SIM118 (not a dict)
+                return {k[len(ckpt.RNG_PREFIX):]: st.get_tensor(k) for k in keys}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ckpt.CheckpointError(ckpt.unreadable_tensors(f, e)) from None
+
+    # ------------------------------------------------------------------------------------ save
+    def save(self, step: int, views: ModelViews, tokenizer: Tokenizer) -> None:
+        """A complete checkpoint of this step (atomic; see training.checkpoint). Every rank calls it:
+        gathering FSDP2 shards is a collective. The previous write must have succeeded (every rank learns if not)."""
+        d = self.dist
+        self.finish()
+        bad = ckpt.nonfinite(local_state(views))  # on the device, before anything is gathered or copied
+        if d.any(bool(bad), self.device):
+            raise ckpt.CheckpointError(f"refusing to save step {step}: "
+                                       f"{bad[0] if bad else 'a tensor on another rank'} holds non-finite values")
+        # single process and DDP: the live tensors on the device (the writer copies them to pinned host
+        # memory); FSDP2: gathered to CPU on rank 0, one tensor at a time (no full copy on the GPU)
+        offload = self.cfg.fsdp and d.enabled
+        weights = D.full_model_state(views.wrapped, rank0_only=offload)
+        optim_sd = D.full_optimizer_state(views.wrapped, views.optimizer, rank0_only=offload)
+        if d.is_main:
+            tensors, groups = ckpt.flatten_optimizer(optim_sd, [])
+            state: dict[str, Any] = {"kind": self.kind, "optimizer_param_groups": groups,
+                                     "world_size": d.world_size, "train": self.cfg.to_dict()}
+            for key, _, component in self.components:
+                part = component.state_dict()
+                state.update(part if key is None else {key: part})
+            model_cfg = views.model.cfg
+            self.writer.save(self.out, step, weights=ckpt.drop_tied(weights, model_cfg), cfg=model_cfg,
+                             tokenizer=tokenizer, optim_tensors=tensors, rng=optim.rng_state(self.device), state=state,
+                             keep_last=self.cfg.keep_last, keep=self.keep(), fresh=offload, checked=True)
+        d.barrier()
+        self.saved_step = step
+
+    def finish(self, then: Callable[[], None] | None = None) -> None:
+        """Block until rank 0's write in flight is on disk; its error is raised on every rank (one tiny
+        collective), so no rank trains on, or exits, while rank 0 is still writing. `then` runs between
+        the wait and the collective."""
+        error = None
+        if self.dist.is_main:
+            try:
+                self.writer.wait()
+            except Exception as e:  # a CheckpointError, or any other failure of the writer thread
+                error = e
+        if then is not None:
+            then()
+        if self.dist.any(error is not None, self.device):
+            raise error or ckpt.CheckpointError("rank 0 could not write a checkpoint; see its error")
+
+    def close(self) -> None:
+        """However the run ends: the last write waited for; its error raised unless another is on its way out."""
+        if sys.exc_info()[0] is None:
+            self.writer.close()
+        else:
+            with contextlib.suppress(ckpt.CheckpointError):
+                self.writer.close()
+
+    def timings(self) -> dict:
+        """Seconds the loop was blocked per save, and each write's own seconds (for the summary)."""
+        w = self.writer
+        if not w.stall_s:
+            return {}
+        return {"checkpoint_stall_s": [round(t, 4) for t in w.stall_s],
+                "checkpoint_write_s": [round(t, 4) for t in w.write_s]}
+
+
+def local_state(views: ModelViews) -> dict[str, torch.Tensor]:
+    """This rank's weights and optimizer moments where they live (FSDP2: the local shards)."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    out = {}
+    for name, p in views.model.named_parameters():
+        out[name] = local(p.detach())
+        for moment, v in views.optimizer.state.get(p, {}).items():
+            if torch.is_tensor(v):
+                out[f"{name}/{moment}"] = local(v)
+    return out
+
+
+__all__ = ["USER_ERRORS", "Checkpointer", "Live", "local_state"]

@@ -1,0 +1,45 @@
+"""PreemptionStop: a SIGTERM/SIGUSR1 (training.preempt: the handlers and the agreed poll) ends the
+run on a checkpoint of the step every rank agreed on, then raises preempt.Preempted (exit 3)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from training import checkpoint as ckpt
+from training import distributed as D
+from training import preempt
+from training.loop.checkpointer import Checkpointer
+
+
+class PreemptionStop:
+    def __init__(self, d: D.Dist, device: torch.device, checkpointer: Checkpointer, log: Callable[[dict], None]):
+        self.dist, self.checkpointer, self.log = d, checkpointer, log
+        self.signals = preempt.Preemption(d, device)
+        self.installed = False
+
+    def install(self) -> None:
+        self.signals.install()
+        self.installed = True
+
+    def should_stop(self) -> int:
+        """The signal number every rank agrees on at this step (0: none); see training.preempt."""
+        return self.signals.poll()
+
+    def stop(self, step: int, signum: int, save: Callable[[], None]) -> None:
+        """Checkpoint this step (unless it has one), wait until it is on disk, raise preempt.Preempted."""
+        name = preempt.signal_name(signum)
+        if step > self.checkpointer.saved_step:
+            save()
+        # once it is on disk, further signals are ignored while the process exits: torchrun SIGTERMs the
+        # ranks still exiting as soon as one has exited, and each should still exit EXIT_PREEMPTED
+        self.checkpointer.finish(then=self.signals.ignore_signals)
+        done = f"checkpoint {ckpt.step_dir_name(step)} written" if step else "no checkpoint (no step was trained)"
+        self.log({"event": "preempted", "step": step, "signal": name})
+        raise preempt.Preempted(f"preempted at step {step} by {name}; {done}; run the same command to resume"
+                                if self.dist.is_main else "")
+
+    def restore(self) -> None:
+        if self.installed:
+            self.signals.restore()
