@@ -123,15 +123,16 @@ def test_disabled_log_draws_nothing(tmp_path: Path) -> None:
 
 
 def test_drawing_is_cheap(tmp_path: Path) -> None:
-    """A 2,000-step log with 20 evaluations redraws in well under a second of CPU time (~0.35 s
-    measured; CPU time, not wall time, so a busy shared machine does not make it flaky)."""
+    """A 2,000-step log with 20 evaluations redraws in about half a second of CPU time (measured
+    0.45-0.69 s on the 2-core machine, 0.35 s when quiet; CPU time, not wall time, yet a loaded machine
+    still inflates it: 1.0 s failed once with other test runs sharing the cores)."""
     (tmp_path / layout.LOG).write_text("".join(
         json.dumps(step(i, **({"val_loss": 3.0, "val_bpb": 1.2} if i % 100 == 0 else {}))) + "\n"
         for i in range(1, 2001)))
     draw_curves(tmp_path)  # the first call imports matplotlib
     t0 = time.process_time()
     draw_curves(tmp_path)
-    assert time.process_time() - t0 < 1.0
+    assert time.process_time() - t0 < 1.5  # ~3x the 0.45-0.69 s measured under load
 
 
 def test_a_training_run_draws_its_curves(tiny_run: Path) -> None:
