@@ -48,6 +48,7 @@ from training.schema import Port, flag
 ASSETS = Path(training.__file__).resolve().parent / "assets"
 DEFAULT_CORPUS = ASSETS / "corpus"
 DEFAULT_CHAT = ASSETS / "chat" / "prodip_chat_bn.jsonl"
+HELDOUT = ASSETS / "eval" / "heldout_bn.txt"  # held-out text written for prodip: bits/byte vs the twin
 TRAIN_PY = Path(training.__file__).resolve().parent / "train.py"
 SFT_PY = Path(training.__file__).resolve().parent / "sft.py"
 EVAL_JSON = OUTPUT_FILES[0]  # eval.json
@@ -169,7 +170,7 @@ def build(a: argparse.Namespace) -> bool:
     # the card's "bits/byte vs random-init twin" (seconds at this size); after export, so the exported
     # model card (export/README.md) gets the evaluation section too
     if not (chat / EVAL_DIR / EVAL_JSON).is_file():
-        stage("evaluate vs twin", [py, "-m", "training.evaluate", str(chat), "--no-progress"])
+        stage("evaluate vs twin", [py, "-m", "training.evaluate", str(chat), "--text", str(HELDOUT), "--no-progress"])
     if breached is not None:
         return breached
     return not layout.read_json(parity, "parity report").get("passed", False)
