@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from serving import RUNTIMES, describe, load
 from serving.backend import (
@@ -101,9 +102,10 @@ def _chat_turn(session: ChatSession, text: str, params: SamplingParams, show_sta
     session.commit(stream)
 
 
-def interactive(session: ChatSession, params: SamplingParams, show_stats: bool) -> None:
-    print(f"{session.backend.name}: chatting (context {session.backend.n_ctx} tokens). "
-          "/reset starts over, /quit or Ctrl-D leaves.", file=sys.stderr)
+def _repl(banner: str, turn: Callable[[str], None], reset: Callable[[], None] | None = None) -> None:
+    """The terminal loop both modes share: one line a turn, /quit or Ctrl-D leaves, /reset (where the
+    mode keeps a conversation) starts over; a turn's error (e.g. longer than the context) is said, the loop goes on."""
+    print(banner, file=sys.stderr)
     while True:
         try:
             line = input(PROMPT_MARK)
@@ -111,18 +113,25 @@ def interactive(session: ChatSession, params: SamplingParams, show_stats: bool) 
             print(file=sys.stderr)
             return
         text = line.strip()
-        if not text:
-            continue
         if text in ("/quit", "/exit"):
             return
         if text == "/reset":
-            session.reset()
-            print("[conversation cleared]", file=sys.stderr)
+            if reset is not None:
+                reset()
+                print("[conversation cleared]", file=sys.stderr)
+            continue
+        if not text:
             continue
         try:
-            _chat_turn(session, text, params, show_stats)
-        except ValueError as e:  # e.g. a message longer than the context: say so, keep chatting
+            turn(text)
+        except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
+
+
+def interactive(session: ChatSession, params: SamplingParams, show_stats: bool) -> None:
+    _repl(f"{session.backend.name}: chatting (context {session.backend.n_ctx} tokens). "
+          "/reset starts over, /quit or Ctrl-D leaves.",
+          lambda text: _chat_turn(session, text, params, show_stats), session.reset)
 
 
 def check_http_flags(args: argparse.Namespace) -> None:
@@ -158,23 +167,9 @@ def use_chat(args: argparse.Namespace, backend: Backend) -> bool:
 
 
 def complete_interactive(backend: Backend, params: SamplingParams, show_stats: bool) -> None:
-    print(f"{backend.name}: completing text (context {backend.n_ctx} tokens), each line on its own. "
-          "/quit or Ctrl-D leaves.", file=sys.stderr)
-    while True:
-        try:
-            line = input(PROMPT_MARK)
-        except EOFError:
-            print(file=sys.stderr)
-            return
-        text = line.strip()
-        if not text or text == "/reset":
-            continue
-        if text in ("/quit", "/exit"):
-            return
-        try:
-            _print_stream(completion_stream(backend, text, params), show_stats)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+    _repl(f"{backend.name}: completing text (context {backend.n_ctx} tokens), each line on its own. "
+          "/quit or Ctrl-D leaves.",
+          lambda text: _print_stream(completion_stream(backend, text, params), show_stats))
 
 
 def run(args: argparse.Namespace) -> None:

@@ -317,26 +317,6 @@ def test_exports_and_checkpoints_keep_the_users_umask(bn_data, tmp_path, capsys)
 
 
 # ------------------------------------------------------------------------------------ HTTP: bounded bodies
-@pytest.fixture(scope="module")
-def client():
-    """An app over a real (random-init, one-layer) model: the bodies are refused before generation."""
-    from fastapi.testclient import TestClient
-
-    from serving.http import ServerConfig, create_app
-    from serving.torch_backend import TorchBackend
-    from training.model import Transformer, preset
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
-
-    lines = [normalize(x) for f in sorted(CORPUS.glob("*.txt")) for x in f.read_text(encoding="utf-8").splitlines()
-             if x.strip()]
-    tok = train_tokenizer(lines, 600, num_threads=1)
-    cfg = preset("tiny", vocab_size=tok.vocab_size, n_layers=1, d_model=64, n_heads=2, n_kv_heads=1, ffn_dim=128,
-                 max_seq_len=64)
-    backend = TorchBackend.from_model(Transformer(cfg), tok, threads=1)
-    with TestClient(create_app(backend, ServerConfig(model_id="t", max_tokens_cap=8)), raise_server_exceptions=False) as c:
-        yield c
-    backend.close()
 
 
 @pytest.mark.parametrize(("body", "needle"), [

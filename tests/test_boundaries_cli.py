@@ -275,26 +275,6 @@ def test_server_busy_port_subprocess(busy_port, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ HTTP bodies
-@pytest.fixture(scope="module")
-def client():
-    """An app over a real (random-init, one-layer) model: the bodies are refused before generation."""
-    from fastapi.testclient import TestClient
-
-    from serving.http import ServerConfig, create_app
-    from serving.torch_backend import TorchBackend
-    from training.model import Transformer, preset
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
-
-    lines = [normalize(x) for f in sorted(CORPUS.glob("*.txt")) for x in f.read_text(encoding="utf-8").splitlines()
-             if x.strip()]
-    tok = train_tokenizer(lines, 600, num_threads=1)
-    cfg = preset("tiny", vocab_size=tok.vocab_size, n_layers=1, d_model=64, n_heads=2, n_kv_heads=1, ffn_dim=128,
-                 max_seq_len=64)
-    backend = TorchBackend.from_model(Transformer(cfg), tok, threads=1)
-    with TestClient(create_app(backend, ServerConfig(model_id="t", max_tokens_cap=8))) as c:
-        yield c
-    backend.close()
 
 
 CHAT = {"messages": [{"role": "user", "content": "নমস্কার"}], "max_tokens": 2}
