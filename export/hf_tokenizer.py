@@ -34,9 +34,9 @@ from tokenizers.models import BPE
 
 from training.text import BOM, NUKTA
 from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK, Tokenizer
+from training.tokenizer import SPACE_PIECE as SPACE  # SentencePiece's escaped space (U+2581)
 
 TOKENIZER_JSON = "tokenizer.json"
-SPACE = "▁"  # SentencePiece's escaped space (U+2581)
 SANDHI, VIRAMA = "\u09fe", "\u09cd"  # BENGALI SANDHI MARK (see the normalizer), BENGALI SIGN VIRAMA
 NO_SPLIT = "\uffff"  # a Unicode noncharacter: never in text, so splitting on it splits nothing
 

@@ -15,7 +15,6 @@ Text given to a backend is normalized with `training.text.normalize` first, alwa
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Protocol, runtime_checkable
@@ -95,20 +94,6 @@ class Backend(Protocol):
 
 # GGUF metadata key `python -m export` writes: True for a chat fine-tuned (SFT) run, False for a base one
 CHAT_TUNED_KEY = "prodip.chat_tuned"
-SPACE_PIECE = "\u2581"  # SentencePiece's visible space
-BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece's name
-
-
-def piece_bytes(piece: str, kind: str) -> bytes:
-    """The bytes a SentencePiece piece spells: <0xE0> (kind "byte") is the byte E0, a control token
-    nothing, U+2581 a space (kinds as training.tokenizer.Piece names them)."""
-    if kind == "byte":
-        return bytes([int(piece[3:5], 16)])
-    if kind == "control":
-        return b""
-    return piece.replace(SPACE_PIECE, " ").encode("utf-8")
-
-
 def sample_next(logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:
     """One sampling step shared by the PyTorch and ONNX backends (llama.cpp uses its own sampler)."""
     x = logits.astype(np.float64).copy()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from serving.backend import Backend, SamplingParams, ServingError, piece_bytes
+from serving.backend import Backend, SamplingParams, ServingError
 from training import layout
 from training.chat import STOP_STRINGS, ChatError, encode, truncate_history, validate
 from training.tokenizer import IM_END, IM_START
@@ -58,21 +58,6 @@ class BackendTokens:
         return self.backend.tokenize(text, bos=False, allow_special=False)
 
 
-class SentencePieceBytes:
-    """ids -> raw bytes for a training.tokenizer.Tokenizer. SentencePiece's own decode (even with
-    out_type=bytes) writes U+FFFD for byte pieces that are not UTF-8, so the bytes are joined from the
-    pieces here; equal to its decode for every sequence that is valid UTF-8."""
-
-    def __init__(self, tok: object):
-        self.table = [tok.decode([p.id]).encode("utf-8") if p.kind == "unknown" else piece_bytes(p.text, p.kind)
-                      for p in tok.pieces()]  # type: ignore[attr-defined]
-        self.strip_space = bool(tok.trainer_spec().get("add_dummy_prefix"))  # type: ignore[attr-defined]
-
-    def __call__(self, ids: Sequence[int]) -> bytes:
-        out = b"".join(self.table[int(i)] for i in ids)
-        return out[1:] if self.strip_space and out.startswith(b" ") else out
-
-
 def bytes_decoder(backend: Backend) -> Callable[[Sequence[int]], bytes]:
     """ids -> raw bytes (not yet UTF-8-checked), callable while `generate` is suspended mid-stream:
     the backend's `detokenize_bytes` (llama.cpp, transformers), else its SentencePiece tokenizer's pieces
@@ -84,8 +69,8 @@ def bytes_decoder(backend: Backend) -> Callable[[Sequence[int]], bytes]:
     tok = getattr(backend, "tokenizer", None)
     if callable(own):
         dec = own
-    elif tok is not None and callable(getattr(tok, "pieces", None)):
-        dec = SentencePieceBytes(tok)
+    elif tok is not None and callable(getattr(tok, "decode_bytes", None)):
+        dec = tok.decode_bytes
     else:
         def dec(ids: Sequence[int]) -> bytes:
             return backend.detokenize(ids).encode("utf-8")

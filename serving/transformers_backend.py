@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving.backend import BYTE_PIECE, SamplingParams, ServingError, piece_bytes, sample_next
+from serving.backend import SamplingParams, ServingError, sample_next
 from serving.torch_backend import set_threads
 from training.text import normalize
-from training.tokenizer import EOS, IM_END
+from training.tokenizer import BYTE_PIECE, EOS, IM_END, piece_bytes
 
 
 class TransformersBackend:

@@ -59,6 +59,20 @@ class TokenizerError(ValueError):
     pass
 
 
+SPACE_PIECE = "\u2581"  # SentencePiece's visible space
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece's name
+
+
+def piece_bytes(piece: str, kind: str) -> bytes:
+    """The bytes a SentencePiece piece spells: <0xE0> (kind "byte") is the byte E0, a control token
+    nothing, U+2581 a space (kinds as `Piece` names them)."""
+    if kind == "byte":
+        return bytes([int(piece[3:5], 16)])
+    if kind == "control":
+        return b""
+    return piece.replace(SPACE_PIECE, " ").encode("utf-8")
+
+
 @dataclass(frozen=True)
 class Piece:
     id: int
@@ -83,6 +97,8 @@ class Tokenizer:
         missing = [p for p, i in self.special_ids.items() if self.sp.id_to_piece(i) != p]
         if missing:
             raise TokenizerError(f"tokenizer {path} lacks prodip's special tokens {missing}; retrain it with training.prepare")
+        self._piece_bytes: list[bytes] | None = None  # decode_bytes' table, built on first use
+        self._strip_space = False
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in CHAT_SPECIALS) + ")")
 
     @classmethod
@@ -161,6 +177,18 @@ class Tokenizer:
                 run.append(i)
         out.append(self.sp.decode(run))
         return "".join(out)
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """Raw bytes of `ids`, control tokens dropped: what `decode` gives, except that byte pieces which
+        do not form UTF-8 (a lone <0xE0>) stay bytes; SentencePiece's own decode (even out_type=bytes)
+        writes U+FFFD for them. Joined from the pieces (table built once); a dummy-prefix space is stripped
+        as decode strips it (prodip trains without one, a loaded model may have it)."""
+        if self._piece_bytes is None:
+            self._piece_bytes = [self.sp.decode([p.id]).encode("utf-8") if p.kind == "unknown"
+                                 else piece_bytes(p.text, p.kind) for p in self.pieces()]
+            self._strip_space = bool(self.trainer_spec()["add_dummy_prefix"])
+        out = b"".join(self._piece_bytes[int(i)] for i in ids)
+        return out[1:] if self._strip_space and out.startswith(b" ") else out
 
     def id_to_piece(self, i: int) -> str:
         return self.sp.id_to_piece(i)
