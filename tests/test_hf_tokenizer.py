@@ -143,7 +143,8 @@ def test_specials_and_chat_template(sp, hf_tok):
 
 
 def test_ids_match_training_on_tatoeba(sp, hf_tok):
-    """Opt-in breadth: the Tatoeba Bangla lines of ../shared/data, raw."""
+    """Opt-in breadth: the Tatoeba Bangla lines of ../shared/data, raw. The same on training/assets:
+    test_ids_match_training_on_shipped_text."""
     lines = [x for x in Path(shared_path(*TATOEBA)).read_text(encoding="utf-8").splitlines() if x.strip()]
     bad = _mismatches(sp, hf_tok, lines)
     assert len(lines) > 1000 and not bad, f"{len(bad)} of {len(lines)} lines differ, e.g. {bad[:2]}"
