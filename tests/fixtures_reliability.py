@@ -8,6 +8,7 @@ tests restart and kill training dozens of times, so every step and every save mu
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -42,6 +43,30 @@ def train_argv(data: Path, out: Path, *extra: str, steps: int = 4, save_every: i
 
 def run_cli(argv: list[str], *, cwd: Path = REPO, timeout: float = CLI_TIMEOUT_S, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=child_env(), timeout=timeout, **kw)
+
+
+def call_main(module: str, argv: list, capsys) -> tuple[int, str, str]:
+    """A CLI module's main(argv) in-process: (exit status, stdout, stderr)."""
+    main = importlib.import_module(module).main
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def one_error(rc: int, out: str, err: str, *names: str | tuple[str, ...]) -> str:
+    """The promise for a refused input: exit != 0, one `error:` line naming one of `names` (strings, or
+    tuples of them as the case tables hold them), no traceback."""
+    names = tuple(n for x in names for n in ((x,) if isinstance(x, str) else x))
+    detail = f"rc {rc}\nstderr:\n{err[-2000:]}\nstdout:\n{out[-1000:]}"
+    assert rc not in (0, None), detail
+    assert "Traceback" not in out + err, detail
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert len(lines) == 1 and lines[0].startswith("error: "), detail
+    assert any(n in lines[0] for n in names), f"the error does not name any of {names}\n{detail}"
+    return lines[0]
 
 
 def tree_digest(root: Path) -> dict[str, str]:

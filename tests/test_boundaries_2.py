@@ -17,7 +17,6 @@ written, nothing left behind). The classes:
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CORPUS
-from fixtures_reliability import child_env, train_argv, tree_digest
+from fixtures_reliability import call_main, child_env, one_error, train_argv, tree_digest
 
 from training import layout
 
@@ -35,28 +34,6 @@ MISSING = "/nonexistent/prodip-boundaries-2/missing"
 DEEP = 100_000  # far past any parser's recursion limit (CPython's json gives up near 1000)
 SURROGATE = '"\\ud800"'  # a lone surrogate as JSON writes it: valid JSON, not valid Unicode
 NOT_UTF8 = b"caf\xe9".decode("utf-8", "surrogateescape")  # Latin-1 bytes as Python holds them in argv
-
-
-def call(module: str, argv: list[str], capsys) -> tuple[int, str, str]:
-    """main(argv) of a CLI module in-process: (exit status, stdout, stderr)."""
-    main = importlib.import_module(module).main
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def one_error(rc: int, out: str, err: str, *names: str) -> str:
-    """The promise for a refused input: exit != 0, one `error:` line naming one of `names`, no traceback."""
-    detail = f"rc {rc}\nstderr:\n{err[-2000:]}\nstdout:\n{out[-1000:]}"
-    assert rc not in (0, None), detail
-    assert "Traceback" not in out + err, detail
-    lines = [x for x in err.splitlines() if "error:" in x]
-    assert len(lines) == 1 and lines[0].startswith("error: "), detail
-    assert any(n in lines[0] for n in names), f"the error does not name any of {names}\n{detail}"
-    return lines[0]
 
 
 def deep_json() -> str:
@@ -100,7 +77,7 @@ def test_a_hostile_json_file_is_one_error_naming_it(module, argv, file, tmp_path
     model.write_bytes(b"not read: the --mc file is refused first")
     argv = [a.format(f=files[file], model=model, tmp=tmp_path) for a in argv]
     before = tree_digest(tmp_path)
-    one_error(*call(module, argv, capsys), file)
+    one_error(*call_main(module, argv, capsys), file)
     assert tree_digest(tmp_path) == before and not (tmp_path / "data").exists()
 
 
@@ -108,7 +85,7 @@ def test_a_hostile_json_file_is_one_error_naming_it(module, argv, file, tmp_path
 def test_sft_refuses_a_hostile_chat_file(file, rel_run, tmp_path, capsys):
     files = _files(tmp_path)
     out = tmp_path / "sft"
-    one_error(*call("training.sft", ["--init", rel_run, "--data", files[file], "--out", out, "--max-steps", "1"],
+    one_error(*call_main("training.sft", ["--init", rel_run, "--data", files[file], "--out", out, "--max-steps", "1"],
                     capsys), file)
     assert not out.exists()
 
@@ -130,7 +107,7 @@ def test_the_records_reader_names_depth_and_surrogates_with_the_line(tmp_path):
 
 def test_a_non_utf8_argument_is_refused_before_anything_runs(tmp_path, capsys):
     """Every CLI (through training.cli.run_main): the argument named, the bytes shown, exit 2."""
-    line = one_error(*call("training.prepare.cli", ["--input", str(tmp_path / NOT_UTF8), "--out", tmp_path / "d"],
+    line = one_error(*call_main("training.prepare.cli", ["--input", str(tmp_path / NOT_UTF8), "--out", tmp_path / "d"],
                            capsys), "not UTF-8")
     assert "\\xe9" in line
     assert list(tmp_path.iterdir()) == []
@@ -154,7 +131,7 @@ def test_a_folder_with_a_non_utf8_file_name_is_refused_by_name(tmp_path, capsys)
     shutil.copy(next(CORPUS.glob("*.txt")), inputs / "good.txt")
     (Path(os.fsdecode(os.fsencode(inputs) + b"/bad-\xe9.txt"))).write_text("কিছু লেখা\n", encoding="utf-8")
     before = tree_digest(tmp_path)
-    one_error(*call("training.prepare.cli", ["--input", inputs, "--out", tmp_path / "data"], capsys), "bad-\\xe9.txt")
+    one_error(*call_main("training.prepare.cli", ["--input", inputs, "--out", tmp_path / "data"], capsys), "bad-\\xe9.txt")
     assert tree_digest(tmp_path) == before and not (tmp_path / "data").exists()
 
 
@@ -181,7 +158,7 @@ def test_a_wrongly_shaped_mc_record_is_refused(module, case, tmp_path, capsys):
     model = tmp_path / "model.gguf"
     model.write_bytes(b"not read")
     argv = [MISSING, "--mc", mc, "--no-twin"] if module == "training.evaluate.cli" else [model, "--mc", mc]
-    line = one_error(*call(module, argv, capsys), f"{mc}:2")
+    line = one_error(*call_main(module, argv, capsys), f"{mc}:2")
     assert field in line, line
 
 
@@ -198,10 +175,10 @@ def test_vocab_size_is_never_replaced_silently(bn_data, tmp_path, capsys):
     from training.train import main as train_main  # noqa: F401  (imported: the CLI under test)
 
     argv = train_argv(bn_data, tmp_path / "run")[2:]
-    one_error(*call("training.train", [*argv, "--set", "vocab_size=5"], capsys), "vocab_size = 5")
+    one_error(*call_main("training.train", [*argv, "--set", "vocab_size=5"], capsys), "vocab_size = 5")
     toml = tmp_path / "c.toml"
     toml.write_text("[model]\nvocab_size = 4096\n", encoding="utf-8")
-    one_error(*call("training.train", [*argv, "--config", toml], capsys), "vocab_size = 4096")
+    one_error(*call_main("training.train", [*argv, "--config", toml], capsys), "vocab_size = 4096")
     assert not (tmp_path / "run").exists()
 
 
@@ -209,7 +186,7 @@ def test_vocab_size_is_never_replaced_silently(bn_data, tmp_path, capsys):
     ("bn=0.8,en=0.8", "sum to 1.6"), ("bn=3,en=1", "share of bn is 3"), ("bn=0.5,bn=0.5", "bn is given twice"),
 ])
 def test_mix_is_refused_not_normalised(mix, words, tmp_path, capsys):
-    one_error(*call("training.prepare.cli", ["--input", CORPUS, "--out", tmp_path / "d", "--mix", mix], capsys),
+    one_error(*call_main("training.prepare.cli", ["--input", CORPUS, "--out", tmp_path / "d", "--mix", mix], capsys),
               words)
     assert not (tmp_path / "d").exists()
 
@@ -219,12 +196,12 @@ def test_out_url_is_refused(url, bn_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = train_argv(bn_data, Path("x"))[2:]
     argv[argv.index("--out") + 1] = url
-    one_error(*call("training.train", argv, capsys), "--out")
+    one_error(*call_main("training.train", argv, capsys), "--out")
     assert list(tmp_path.iterdir()) == []  # no local folder named `s3:`
 
 
 def test_gen_tokens_beyond_any_context_is_refused(capsys):
-    one_error(*call("training.evaluate.cli", [MISSING, "--gen-tokens", str(10**9)], capsys), "--gen-tokens")
+    one_error(*call_main("training.evaluate.cli", [MISSING, "--gen-tokens", str(10**9)], capsys), "--gen-tokens")
 
 
 def test_gen_tokens_beyond_the_model_context_is_refused(rel_run, tmp_path, capsys):
@@ -232,7 +209,7 @@ def test_gen_tokens_beyond_the_model_context_is_refused(rel_run, tmp_path, capsy
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("নমস্কার\n", encoding="utf-8")
-    one_error(*call("training.evaluate.cli", [rel_run, "--prompts", prompts, "--gen-tokens", str(N_CTX),
+    one_error(*call_main("training.evaluate.cli", [rel_run, "--prompts", prompts, "--gen-tokens", str(N_CTX),
                                               "--out", tmp_path / "eval", "--no-twin"], capsys), "--gen-tokens 64")
     assert not (tmp_path / "eval").exists()
 
@@ -243,7 +220,7 @@ def test_export_evaluate_n_ctx_beyond_the_trained_context_is_refused(rel_gguf, t
     text = tmp_path / "t.txt"
     text.write_text("নমস্কার, কেমন আছেন?\n", encoding="utf-8")
     before = tree_digest(rel_gguf.parent)
-    one_error(*call("export.evaluate", [rel_gguf, "--text", text, "--n-ctx", str(N_CTX * 4),
+    one_error(*call_main("export.evaluate", [rel_gguf, "--text", text, "--n-ctx", str(N_CTX * 4),
                                         "--out", tmp_path / "eval"], capsys), f"--n-ctx {N_CTX * 4}")
     assert tree_digest(rel_gguf.parent) == before and not (tmp_path / "eval").exists()
 
@@ -254,7 +231,7 @@ def test_a_threshold_nothing_compares_is_refused(argv_tail, rel_run, tmp_path, c
     run = tmp_path / "run"
     shutil.copytree(rel_run, run)
     before = tree_digest(run)
-    one_error(*call("export.__main__", ["safetensors", run, *argv_tail], capsys), "--threshold")
+    one_error(*call_main("export.__main__", ["safetensors", run, *argv_tail], capsys), "--threshold")
     assert tree_digest(run) == before and not (run / layout.EXPORT).exists()
 
 
@@ -267,7 +244,7 @@ def test_export_never_replaces_a_user_readme(rel_run, tmp_path, capsys):
     (mine / "README.md").write_text("# my notes\n", encoding="utf-8")
     (mine / "log.jsonl").write_text('{"mine": true}\n', encoding="utf-8")
     before = tree_digest(mine)
-    line = one_error(*call("export.__main__", ["safetensors", run, "--out", mine, "--no-parity"], capsys), "--out")
+    line = one_error(*call_main("export.__main__", ["safetensors", run, "--out", mine, "--no-parity"], capsys), "--out")
     assert "--force" in line
     assert tree_digest(mine) == before
 
@@ -277,7 +254,7 @@ def test_onnx_stream_refuses_a_folder_of_unrelated_files(rel_run, tmp_path, caps
     mine.mkdir()
     (mine / "cat.jpg").write_bytes(b"\xff\xd8 not ours")
     before = tree_digest(mine)
-    one_error(*call("export.onnx_stream", [rel_run, "--out", mine, "--no-check"], capsys), "--out")
+    one_error(*call_main("export.onnx_stream", [rel_run, "--out", mine, "--no-check"], capsys), "--out")
     assert tree_digest(mine) == before
 
 
@@ -288,7 +265,7 @@ def test_a_failed_imatrix_leaves_no_out(rel_run, tmp_path, capsys):
     short.write_text("নমস্কার\n", encoding="utf-8")  # far shorter than one calibration chunk
     out = tmp_path / "new" / "export"
     before = tree_digest(run)
-    one_error(*call("export.__main__", ["gguf", run, "--q4", "--imatrix", short, "--out", out, "--no-parity"],
+    one_error(*call_main("export.__main__", ["gguf", run, "--q4", "--imatrix", short, "--out", out, "--no-parity"],
                     capsys), "short.txt")
     assert not (tmp_path / "new").exists() and tree_digest(run) == before
 
@@ -303,8 +280,8 @@ def test_exports_and_checkpoints_keep_the_users_umask(bn_data, tmp_path, capsys)
     run = tmp_path / "run"
     old = os.umask(0o027)
     try:
-        assert call("training.train", train_argv(bn_data, run)[2:], capsys)[0] == 0
-        rc, out, err = call("export.__main__", ["all", run, "--f32", "--no-parity"], capsys)
+        assert call_main("training.train", train_argv(bn_data, run)[2:], capsys)[0] == 0
+        rc, out, err = call_main("export.__main__", ["all", run, "--f32", "--no-parity"], capsys)
     finally:
         os.umask(old)
     assert rc == 0, err

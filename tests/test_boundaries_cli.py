@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CORPUS
-from fixtures_reliability import run_cli, tree_digest
+from fixtures_reliability import call_main, one_error, run_cli, tree_digest
 
 MISSING = "/nonexistent/prodip-boundaries/missing"
 QUICK_S = 5.0  # a refused server start must not load anything: it returns at once
@@ -86,31 +86,10 @@ FLAG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
 ]
 
 
-def call(module: str, argv: list[str], capsys) -> tuple[int, str, str]:
-    """main(argv) in-process: (exit status, stdout, stderr)."""
-    main = importlib.import_module(module).main
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def assert_one_error(rc: int, out: str, err: str, names: tuple[str, ...]) -> str:
-    detail = f"rc {rc}\nstderr:\n{err[-2000:]}\nstdout:\n{out[-1000:]}"
-    assert rc not in (0, None), detail
-    assert "Traceback" not in err + out, detail
-    lines = [x for x in err.splitlines() if "error:" in x]
-    assert len(lines) == 1 and lines[0].startswith("error: "), detail
-    assert any(n in lines[0] for n in names), f"the error does not name {names}\n{detail}"
-    return lines[0]
-
-
 @pytest.mark.parametrize(("module", "argv", "names"), FLAG_CASES,
                          ids=[f"{m.split('.')[0]} {' '.join(a[-2:])}" for m, a, _ in FLAG_CASES])
 def test_bad_flag_is_one_error_line(module, argv, names, capsys):
-    assert_one_error(*call(module, argv, capsys), names)
+    one_error(*call_main(module, argv, capsys), names)
 
 
 def test_every_numeric_flag_is_schema_typed():
@@ -147,7 +126,7 @@ def test_prepare_failure_leaves_the_folder_unchanged(tmp_path, capsys):
     for argv, names in [(["--input", MISSING], (MISSING,)),
                         (["--input", str(CORPUS), "--quality", str(bad_quality)], ("'quality'",)),
                         (["--input", str(CORPUS), "--tokenizer", str(bad_quality)], (str(bad_quality),))]:
-        assert_one_error(*call("training.prepare.cli", [*argv, "--out", str(out), "--force"], capsys), names)
+        one_error(*call_main("training.prepare.cli", [*argv, "--out", str(out), "--force"], capsys), names)
         assert tree_digest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "quality.toml"]  # no temp folder left
 
@@ -162,7 +141,7 @@ def test_export_refuses_a_garbage_run_file(name, rel_run, tmp_path, capsys):  # 
     run = _copy_run(rel_run, tmp_path / "run")
     (run / name).write_text('{"prodip_gates": 1, "results": [', encoding="utf-8")
     before = tree_digest(run)
-    assert_one_error(*call("export.__main__", ["gguf", run, "--f32", "--no-parity"], capsys), (name,))
+    one_error(*call_main("export.__main__", ["gguf", run, "--f32", "--no-parity"], capsys), (name,))
     assert tree_digest(run) == before and not (run / "export").exists()
 
 
@@ -172,11 +151,11 @@ def test_export_refuses_a_garbage_manifest_before_writing(rel_run, tmp_path, cap
     out.mkdir()
     (out / "manifest.json").write_bytes(b"\x00\xffnot json")
     before = tree_digest(run)
-    assert_one_error(*call("export.__main__", ["gguf", run, "--f32", "--no-parity"], capsys), ("manifest.json",))
-    assert_one_error(*call("export.__main__", ["parity", run], capsys), ("manifest.json",))
+    one_error(*call_main("export.__main__", ["gguf", run, "--f32", "--no-parity"], capsys), ("manifest.json",))
+    one_error(*call_main("export.__main__", ["parity", run], capsys), ("manifest.json",))
     (out / "manifest.json").write_text('{"files": {}}', encoding="utf-8")  # JSON, but not a manifest
     before = tree_digest(run)
-    line = assert_one_error(*call("export.__main__", ["parity", run], capsys), ("manifest.json",))
+    line = one_error(*call_main("export.__main__", ["parity", run], capsys), ("manifest.json",))
     assert "'source'" in line
     assert tree_digest(run) == before
 
@@ -188,7 +167,7 @@ def test_export_all_checks_every_target_before_writing_any(rel_run, tmp_path, ca
     onnx.mkdir(parents=True)
     (onnx / "model.onnx").write_bytes(b"an earlier export")
     before = tree_digest(run)
-    assert_one_error(*call("export.__main__", ["all", run, "--no-parity"], capsys), ("model.onnx",))
+    one_error(*call_main("export.__main__", ["all", run, "--no-parity"], capsys), ("model.onnx",))
     assert tree_digest(run) == before and not (run / "export" / "hf").exists()
 
 
@@ -199,8 +178,8 @@ def test_export_names_a_bad_texts_file_and_out(rel_run, tmp_path, capsys):  # no
     a_file = tmp_path / "out-is-a-file"
     a_file.write_text("keep\n", encoding="utf-8")
     before = tree_digest(run)
-    assert_one_error(*call("export.__main__", ["gguf", run, "--f32", "--texts", binary], capsys), ("--texts",))
-    assert_one_error(*call("export.__main__", ["gguf", run, "--f32", "--no-parity", "--out", a_file], capsys),
+    one_error(*call_main("export.__main__", ["gguf", run, "--f32", "--texts", binary], capsys), ("--texts",))
+    one_error(*call_main("export.__main__", ["gguf", run, "--f32", "--no-parity", "--out", a_file], capsys),
                      ("--out",))
     assert tree_digest(run) == before and a_file.read_text(encoding="utf-8") == "keep\n"
 
@@ -211,10 +190,10 @@ def test_export_evaluate_checks_its_paths_before_scoring(rel_gguf, tmp_path, cap
     a_file = tmp_path / "eval-out"
     a_file.write_text("keep\n", encoding="utf-8")
     base = [rel_gguf, "--text", text, "--no-progress", "--threads", "1"]
-    assert_one_error(*call("export.evaluate", [*base, "--out", a_file], capsys), ("--out",))
-    assert_one_error(*call("export.evaluate", [*base, "--reference", tmp_path / "no run"], capsys), ("--reference",))
+    one_error(*call_main("export.evaluate", [*base, "--out", a_file], capsys), ("--out",))
+    one_error(*call_main("export.evaluate", [*base, "--reference", tmp_path / "no run"], capsys), ("--reference",))
     assert a_file.read_text(encoding="utf-8") == "keep\n"
-    rc, out, err = call("export.evaluate", [*base, "--n-ctx", "32", "--out", tmp_path / "ফলাফল"], capsys)
+    rc, out, err = call_main("export.evaluate", [*base, "--n-ctx", "32", "--out", tmp_path / "ফলাফল"], capsys)
     assert rc == 0 and (tmp_path / "ফলাফল" / "eval.json").is_file(), err
 
 
@@ -224,7 +203,7 @@ def test_serving_names_a_garbage_onnx_config(tmp_path, capsys):
     (folder / "model.onnx").write_bytes(b"not a model")
     (folder / "onnx_config.json").write_text("{truncated", encoding="utf-8")
     before = tree_digest(folder)
-    assert_one_error(*call("serving.__main__", [folder, "--prompt", "x"], capsys), ("onnx_config.json",))
+    one_error(*call_main("serving.__main__", [folder, "--prompt", "x"], capsys), ("onnx_config.json",))
     assert tree_digest(folder) == before
 
 
@@ -243,9 +222,9 @@ def test_server_fails_before_it_announces(bind, busy_port, rel_run, capsys):  # 
     """A real model, but the address is refused before it loads: fast, one line, never "serving on"."""
     spec = f"127.0.0.1:{busy_port}" if bind == "busy" else bind
     t0 = time.perf_counter()
-    rc, out, err = call("serving.__main__", [rel_run, "--http", spec, "--threads", "1"], capsys)
+    rc, out, err = call_main("serving.__main__", [rel_run, "--http", spec, "--threads", "1"], capsys)
     elapsed = time.perf_counter() - t0
-    line = assert_one_error(rc, out, err, ("--http",))
+    line = one_error(rc, out, err, ("--http",))
     assert "serving on" not in out + err and elapsed < QUICK_S, (elapsed, err)
     assert ("already in use" if bind == "busy" else "nosuchhost" if "nosuch" in bind else "address") in line
 
@@ -310,17 +289,17 @@ def test_good_body_with_openai_labels_is_served(client):
 def test_spaces_and_bangla_in_paths_still_work(rel_run, tmp_path, capsys):  # noqa: F811
     root = tmp_path / "আমার ফোল্ডার" / "রান এক"
     run = _copy_run(rel_run, root)
-    rc, out, err = call("export.__main__", ["gguf", run, "--f32", "--no-parity"], capsys)
+    rc, out, err = call_main("export.__main__", ["gguf", run, "--f32", "--no-parity"], capsys)
     assert rc == 0, err
     ggufs = list((run / "export" / "gguf").glob("*-F32.gguf"))
     assert len(ggufs) == 1, out
-    rc, out, err = call("serving.__main__", [ggufs[0], "--prompt", "নমস্কার", "--max-tokens", "2",
+    rc, out, err = call_main("serving.__main__", [ggufs[0], "--prompt", "নমস্কার", "--max-tokens", "2",
                                              "--temperature", "0", "--threads", "1"], capsys)
     assert rc == 0 and "error" not in err, err
     corpus = tmp_path / "কর্পাস ফাইল" / "bn text.txt"
     corpus.parent.mkdir()
     shutil.copy(sorted(CORPUS.glob("bn_*.txt"))[0], corpus)
-    rc, out, err = call("training.prepare.cli", ["--input", corpus, "--out", tmp_path / "ডেটা আউট", "--vocab-size",
+    rc, out, err = call_main("training.prepare.cli", ["--input", corpus, "--out", tmp_path / "ডেটা আউট", "--vocab-size",
                                                  "400", "--workers", "1", "--no-progress", "--skip-gate",
                                                  "tokenizer.fertility", "--skip-gate", "tokenizer.balance"], capsys)
     assert rc == 0, err
