@@ -251,90 +251,107 @@ def default_pair(entries: list[ModelEntry]) -> tuple[str, str]:
 
 
 def build_app(entries: list[ModelEntry], threads: int | None = None) -> tuple[gr.Blocks, ModelPool]:
+    """The demo's Blocks (one builder per tab, each wiring its own events) and the pool it loads from."""
     if not entries:
         raise DemoError(f"no model to serve; {QUICKSTART_HINT}")
     pool = ModelPool(entries, threads)
     labels = [e.label for e in entries]
-    defaults = SamplingParams()
+    # One concurrency group for every generation; the per-model locks serialize each backend.
+    common = {"concurrency_limit": len(entries), "concurrency_id": "generate"}
     with gr.Blocks(title=TITLE) as app:
         gr.Markdown(f"# {TITLE}\n{DESCRIPTION}")
-        with gr.Tab(CHAT_TAB, id="chat"):
-            with gr.Row():
-                with gr.Column(scale=3):
-                    chatbot = gr.Chatbot(label="কথোপকথন", placeholder=CHAT_PLACEHOLDER, height=460,
-                                         elem_id="chatbot", buttons=["copy", "copy_all"])  # no "share" (posts to the Hub)
-                    box = gr.Textbox(placeholder=PLACEHOLDER, show_label=False, lines=1, max_lines=6, autofocus=True,
-                                     elem_id="message")
-                    with gr.Row():
-                        send = gr.Button(SEND_LABEL, variant="primary", elem_id="send")
-                        clear = gr.Button(CLEAR_LABEL)
-                    status = gr.Markdown("", elem_id="status")
-                with gr.Column(scale=1):
-                    model = gr.Dropdown(labels, value=labels[0], label="মডেল", elem_id="model")
-                    with gr.Accordion(CARD_LABEL, open=True):
-                        card = gr.Markdown(elem_id="card")
-                    with gr.Accordion("নমুনায়ন (sampling)", open=False):
-                        max_tokens = gr.Slider(1, MAX_TOKENS_LIMIT, value=DEFAULT_MAX_TOKENS, step=1,
-                                               label="সর্বোচ্চ নতুন টোকেন (max tokens)")
-                        temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05,
-                                                label="তাপমাত্রা (temperature, 0 = নির্ধারিত)")
-                        top_k = gr.Slider(0, 200, value=defaults.top_k, step=1, label="top-k (0 = বন্ধ)")
-                        top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.01, label="top-p")
-                        rep = gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.01,
-                                        label="পুনরাবৃত্তি দণ্ড (repetition penalty)")
-                        seed = gr.Number(value=-1, precision=0, label="সিড (seed, -1 = এলোমেলো)")
-            gr.Examples(EXAMPLES, inputs=box, label="উদাহরণ")
-        with gr.Tab(COMPARE_TAB, id="compare"):
-            gr.Markdown(COMPARE_HELP)
-            pair = default_pair(entries)
-            with gr.Row():
-                model_a = gr.Dropdown(labels, value=pair[0], label="মডেল ক (model A)", elem_id="model-a")
-                model_b = gr.Dropdown(labels, value=pair[1], label="মডেল খ (model B)", elem_id="model-b")
-            with gr.Row():
-                cmp_prompt = gr.Textbox(value=EXAMPLES[0], label="প্রম্পট (prompt)", lines=1, max_lines=4,
-                                        elem_id="compare-prompt", scale=3)
-                cmp_mode = gr.Radio([COMPARE_CHAT, COMPARE_TEXT], value=COMPARE_CHAT, label="ধরন (mode)")
-                cmp_tokens = gr.Slider(1, MAX_COMPARE_TOKENS, value=DEFAULT_COMPARE_TOKENS, step=1,
-                                       label="নতুন টোকেন (new tokens)")
-            cmp_go = gr.Button(COMPARE_BUTTON, variant="primary", elem_id="compare-go")
-            cmp_summary = gr.Markdown(elem_id="compare-summary")
-            diff_colours = {SAME: "green", FIRST_DIFF: "red"}
-            with gr.Row():
-                out_a = gr.HighlightedText(label="মডেল ক (A)", color_map=diff_colours, elem_id="compare-a",
-                                           show_legend=True)
-                out_b = gr.HighlightedText(label="মডেল খ (B)", color_map=diff_colours, elem_id="compare-b",
-                                           show_legend=True)
-        with gr.Tab(TOKENS_TAB, id="tokens"):
-            gr.Markdown(TOKENS_HELP)
-            with gr.Row():
-                # lines=1: Enter submits (as in the chat box); long text still wraps, up to max_lines
-                tok_text = gr.Textbox(value=TOKENS_EXAMPLE, label="লেখা (text)", lines=1, max_lines=10,
-                                      elem_id="tokens-text", scale=3)
-                tok_model = gr.Dropdown(labels, value=labels[0], label="কোন মডেলের টোকেনাইজার (tokenizer of)")
-            tok_go = gr.Button(TOKENS_BUTTON, variant="primary", elem_id="tokens-go")
-            tok_spans = gr.HighlightedText(label="টোকেন (tokens)", elem_id="tokens-spans", show_inline_category=False,
-                                           color_map={str(i): c for i, c in enumerate(TOKEN_COLOURS)})
-            tok_table = gr.Markdown(elem_id="tokens-table")
-        inputs = [box, chatbot, model, max_tokens, temperature, top_k, top_p, rep, seed]
-        outputs = [box, chatbot, status]
-        respond = make_respond(pool)
-        # One concurrency group for every generation; the per-model locks serialize each backend.
-        common = {"concurrency_limit": len(entries), "concurrency_id": "generate"}
-        box.submit(respond, inputs, outputs, api_name="chat", **common)
-        send.click(respond, inputs, outputs, api_visibility="private", **common)
-        clear.click(lambda: ([], ""), None, [chatbot, status], api_visibility="private")
-        show_card = partial(card_markdown, pool)
-        model.change(show_card, model, card, api_name="card")
-        app.load(show_card, model, card, api_visibility="private")
-        # Enter in a single-purpose text box does what its button does
-        cmp_args = (make_compare(pool), [cmp_prompt, model_a, model_b, cmp_tokens, cmp_mode], [cmp_summary, out_a, out_b])
-        cmp_go.click(*cmp_args, api_name="compare", **common)
-        cmp_prompt.submit(*cmp_args, api_visibility="private", **common)
-        tok_args = (make_tokenize(pool), [tok_text, tok_model], [tok_spans, tok_table])
-        tok_go.click(*tok_args, api_name="tokenize")
-        tok_text.submit(*tok_args, api_visibility="private")
+        chat_tab(app, pool, labels, common)
+        compare_tab(pool, entries, labels, common)
+        tokens_tab(pool, labels)
     app.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     return app, pool
+
+
+def chat_tab(app: gr.Blocks, pool: ModelPool, labels: list[str], common: dict) -> None:
+    """The chat: conversation, message box, model picker, its card, sampling controls; the card is
+    shown when the page loads and whenever the model changes."""
+    defaults = SamplingParams()
+    with gr.Tab(CHAT_TAB, id="chat"):
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="কথোপকথন", placeholder=CHAT_PLACEHOLDER, height=460,
+                                     elem_id="chatbot", buttons=["copy", "copy_all"])  # no "share" (posts to the Hub)
+                box = gr.Textbox(placeholder=PLACEHOLDER, show_label=False, lines=1, max_lines=6, autofocus=True,
+                                 elem_id="message")
+                with gr.Row():
+                    send = gr.Button(SEND_LABEL, variant="primary", elem_id="send")
+                    clear = gr.Button(CLEAR_LABEL)
+                status = gr.Markdown("", elem_id="status")
+            with gr.Column(scale=1):
+                model = gr.Dropdown(labels, value=labels[0], label="মডেল", elem_id="model")
+                with gr.Accordion(CARD_LABEL, open=True):
+                    card = gr.Markdown(elem_id="card")
+                with gr.Accordion("নমুনায়ন (sampling)", open=False):
+                    max_tokens = gr.Slider(1, MAX_TOKENS_LIMIT, value=DEFAULT_MAX_TOKENS, step=1,
+                                           label="সর্বোচ্চ নতুন টোকেন (max tokens)")
+                    temperature = gr.Slider(0.0, 2.0, value=defaults.temperature, step=0.05,
+                                            label="তাপমাত্রা (temperature, 0 = নির্ধারিত)")
+                    top_k = gr.Slider(0, 200, value=defaults.top_k, step=1, label="top-k (0 = বন্ধ)")
+                    top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.01, label="top-p")
+                    rep = gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.01,
+                                    label="পুনরাবৃত্তি দণ্ড (repetition penalty)")
+                    seed = gr.Number(value=-1, precision=0, label="সিড (seed, -1 = এলোমেলো)")
+        gr.Examples(EXAMPLES, inputs=box, label="উদাহরণ")
+    inputs = [box, chatbot, model, max_tokens, temperature, top_k, top_p, rep, seed]
+    outputs = [box, chatbot, status]
+    respond = make_respond(pool)
+    box.submit(respond, inputs, outputs, api_name="chat", **common)
+    send.click(respond, inputs, outputs, api_visibility="private", **common)
+    clear.click(lambda: ([], ""), None, [chatbot, status], api_visibility="private")
+    show_card = partial(card_markdown, pool)
+    model.change(show_card, model, card, api_name="card")
+    app.load(show_card, model, card, api_visibility="private")
+
+
+def compare_tab(pool: ModelPool, entries: list[ModelEntry], labels: list[str], common: dict) -> None:
+    """See the difference: one prompt through two models, greedy, where their tokens part."""
+    with gr.Tab(COMPARE_TAB, id="compare"):
+        gr.Markdown(COMPARE_HELP)
+        pair = default_pair(entries)
+        with gr.Row():
+            model_a = gr.Dropdown(labels, value=pair[0], label="মডেল ক (model A)", elem_id="model-a")
+            model_b = gr.Dropdown(labels, value=pair[1], label="মডেল খ (model B)", elem_id="model-b")
+        with gr.Row():
+            cmp_prompt = gr.Textbox(value=EXAMPLES[0], label="প্রম্পট (prompt)", lines=1, max_lines=4,
+                                    elem_id="compare-prompt", scale=3)
+            cmp_mode = gr.Radio([COMPARE_CHAT, COMPARE_TEXT], value=COMPARE_CHAT, label="ধরন (mode)")
+            cmp_tokens = gr.Slider(1, MAX_COMPARE_TOKENS, value=DEFAULT_COMPARE_TOKENS, step=1,
+                                   label="নতুন টোকেন (new tokens)")
+        cmp_go = gr.Button(COMPARE_BUTTON, variant="primary", elem_id="compare-go")
+        cmp_summary = gr.Markdown(elem_id="compare-summary")
+        diff_colours = {SAME: "green", FIRST_DIFF: "red"}
+        with gr.Row():
+            out_a = gr.HighlightedText(label="মডেল ক (A)", color_map=diff_colours, elem_id="compare-a",
+                                       show_legend=True)
+            out_b = gr.HighlightedText(label="মডেল খ (B)", color_map=diff_colours, elem_id="compare-b",
+                                       show_legend=True)
+    # Enter in a single-purpose text box does what its button does
+    cmp_args = (make_compare(pool), [cmp_prompt, model_a, model_b, cmp_tokens, cmp_mode], [cmp_summary, out_a, out_b])
+    cmp_go.click(*cmp_args, api_name="compare", **common)
+    cmp_prompt.submit(*cmp_args, api_visibility="private", **common)
+
+
+def tokens_tab(pool: ModelPool, labels: list[str]) -> None:
+    """The tokenizer: each token of a text in its own colour, characters per token beside the bound."""
+    with gr.Tab(TOKENS_TAB, id="tokens"):
+        gr.Markdown(TOKENS_HELP)
+        with gr.Row():
+            # lines=1: Enter submits (as in the chat box); long text still wraps, up to max_lines
+            tok_text = gr.Textbox(value=TOKENS_EXAMPLE, label="লেখা (text)", lines=1, max_lines=10,
+                                  elem_id="tokens-text", scale=3)
+            tok_model = gr.Dropdown(labels, value=labels[0], label="কোন মডেলের টোকেনাইজার (tokenizer of)")
+        tok_go = gr.Button(TOKENS_BUTTON, variant="primary", elem_id="tokens-go")
+        tok_spans = gr.HighlightedText(label="টোকেন (tokens)", elem_id="tokens-spans", show_inline_category=False,
+                                       color_map={str(i): c for i, c in enumerate(TOKEN_COLOURS)})
+        tok_table = gr.Markdown(elem_id="tokens-table")
+    tok_args = (make_tokenize(pool), [tok_text, tok_model], [tok_spans, tok_table])
+    tok_go.click(*tok_args, api_name="tokenize")
+    tok_text.submit(*tok_args, api_visibility="private")
 
 
 def launch(app: gr.Blocks, host: str = DEFAULT_HOST, port: int | None = DEFAULT_PORT, share: bool = False,

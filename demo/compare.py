@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from demo.tokens import Span, spans
 from serving import Backend, SamplingParams
-from serving.chat_session import bytes_decoder, prepare_chat, prepare_completion
+from serving.chat_session import prepare_chat, prepare_completion
+from serving.text_stream import bytes_decoder
 
 MAX_COMPARE_TOKENS = 256  # both models run one after the other while the user waits
 DEFAULT_COMPARE_TOKENS = 48

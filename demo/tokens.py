@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from serving import Backend
-from serving.chat_session import bytes_decoder
+from serving.text_stream import bytes_decoder
 from training.text import normalize
 from training.wellformed import byte_marker, decode_utf8
 
@@ -29,7 +29,7 @@ class Span:
 
 def spans(decode: Callable[[Sequence[int]], bytes], ids: Sequence[int]) -> list[Span]:
     """Split `ids` into spans, each the text its tokens add to the decoded prefix (`decode`: ids -> raw
-    bytes, serving.chat_session.bytes_decoder). Byte-fallback tokens that spell one multi-byte character
+    bytes, serving.text_stream.bytes_decoder). Byte-fallback tokens that spell one multi-byte character
     together form one span; bytes that never become UTF-8 show as their piece names (<0xE0>), never U+FFFD."""
     out: list[Span] = []
     done = ""  # decoded text of the tokens already in spans

@@ -38,11 +38,20 @@ EXIT_PARITY = 1  # files written, a parity threshold breached (bad input exits 2
 MAX_NEW_TOKENS = 4096  # greedy parity continuations: far beyond any context we export
 
 
+def _path_or_url(text: str) -> Path | str:
+    """A store URL stays a string (Path would fold `s3://` into `s3:/`); training.remote pulls it."""
+    from training.remote import is_url
+
+    return text if is_url(text) else Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m export", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=COMMANDS)
-    p.add_argument("path", type=Path, metavar="RUN_DIR|CHECKPOINT_DIR")
+    p.add_argument("path", type=_path_or_url, metavar="RUN_DIR|CHECKPOINT_DIR",
+                   help="a local folder, or a run's store URL (s3://BUCKET/PREFIX/RUN: its newest committed checkpoint "
+                        "is pulled into ~/.cache/prodip/runs/, exports are written there)")
     p.add_argument("--out", type=Path, help="export folder (default RUN_DIR/export)")
     p.add_argument("--step", type=flag(NonNegInt), help="checkpoint step (default: the newest complete one)")
     p.add_argument("--force", action="store_true", help="overwrite existing exports")
@@ -278,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
     check_options(args)
     thresholds = parse_thresholds(args.threshold)
     extra = read_texts(args.texts)
+    if isinstance(args.path, str):  # a store URL: the newest committed checkpoint, pulled into the local cache
+        from training.remote import pull_run
+
+        args.path = pull_run(args.path, args.step, lambda m: print(m, file=sys.stderr))
     src = load_source(args.path, args.step)
     check_gates(src)
     out = args.out or default_out_dir(src)

@@ -1,7 +1,8 @@
 """The one name map: our parameter names <-> Hugging Face LlamaForCausalLM <-> GGUF (llama.cpp).
 
 One declarative table (`TENSORS`), in the spirit of gguf-py's tensor_mapping, read by every writer
-(`export.hf`, `export.gguf`) and by `export.parity`. GGUF names come from gguf-py's own constants so
+(`export.hf`, `export.gguf`) and by `export.parity`; its HF names are training.hf_names' (which
+`train.py --init-from` reads in reverse). GGUF names come from gguf-py's own constants so
 they cannot drift from what llama.cpp expects.
 
 RoPE layout: our model (like HF) rotates halves of each head (`rotate_half`); llama.cpp's "llama"
@@ -19,6 +20,7 @@ from typing import Literal
 import gguf
 import numpy as np
 
+from training.hf_names import HF_NAMES, TIED_HEAD
 from training.model import ModelConfig
 
 Permute = Literal["q", "k"] | None
@@ -27,9 +29,12 @@ Permute = Literal["q", "k"] | None
 @dataclass(frozen=True)
 class Tensor:
     ours: str  # "{bid}" stands for the block index
-    hf: str
     gguf_kind: gguf.MODEL_TENSOR
     permute: Permute = None
+
+    @property
+    def hf(self) -> str:  # the HF half of the map lives in training.hf_names (import reads it too)
+        return HF_NAMES[self.ours]
 
     @property
     def gguf(self) -> str:
@@ -38,20 +43,20 @@ class Tensor:
 
 T = gguf.MODEL_TENSOR
 TENSORS: tuple[Tensor, ...] = (
-    Tensor("tok_embeddings.weight", "model.embed_tokens.weight", T.TOKEN_EMBD),
-    Tensor("layers.{bid}.attention_norm.weight", "model.layers.{bid}.input_layernorm.weight", T.ATTN_NORM),
-    Tensor("layers.{bid}.attention.wq.weight", "model.layers.{bid}.self_attn.q_proj.weight", T.ATTN_Q, "q"),
-    Tensor("layers.{bid}.attention.wk.weight", "model.layers.{bid}.self_attn.k_proj.weight", T.ATTN_K, "k"),
-    Tensor("layers.{bid}.attention.wv.weight", "model.layers.{bid}.self_attn.v_proj.weight", T.ATTN_V),
-    Tensor("layers.{bid}.attention.wo.weight", "model.layers.{bid}.self_attn.o_proj.weight", T.ATTN_OUT),
-    Tensor("layers.{bid}.ffn_norm.weight", "model.layers.{bid}.post_attention_layernorm.weight", T.FFN_NORM),
-    Tensor("layers.{bid}.feed_forward.w1.weight", "model.layers.{bid}.mlp.gate_proj.weight", T.FFN_GATE),
-    Tensor("layers.{bid}.feed_forward.w2.weight", "model.layers.{bid}.mlp.down_proj.weight", T.FFN_DOWN),
-    Tensor("layers.{bid}.feed_forward.w3.weight", "model.layers.{bid}.mlp.up_proj.weight", T.FFN_UP),
-    Tensor("norm.weight", "model.norm.weight", T.OUTPUT_NORM),
-    Tensor("output.weight", "lm_head.weight", T.OUTPUT),  # absent when embeddings are tied
+    Tensor("tok_embeddings.weight", T.TOKEN_EMBD),
+    Tensor("layers.{bid}.attention_norm.weight", T.ATTN_NORM),
+    Tensor("layers.{bid}.attention.wq.weight", T.ATTN_Q, "q"),
+    Tensor("layers.{bid}.attention.wk.weight", T.ATTN_K, "k"),
+    Tensor("layers.{bid}.attention.wv.weight", T.ATTN_V),
+    Tensor("layers.{bid}.attention.wo.weight", T.ATTN_OUT),
+    Tensor("layers.{bid}.ffn_norm.weight", T.FFN_NORM),
+    Tensor("layers.{bid}.feed_forward.w1.weight", T.FFN_GATE),
+    Tensor("layers.{bid}.feed_forward.w2.weight", T.FFN_DOWN),
+    Tensor("layers.{bid}.feed_forward.w3.weight", T.FFN_UP),
+    Tensor("norm.weight", T.OUTPUT_NORM),
+    Tensor(TIED_HEAD, T.OUTPUT),  # absent when embeddings are tied
 )
-TIED_HEAD = "output.weight"
+assert [t.ours for t in TENSORS] == list(HF_NAMES), "export.names.TENSORS and training.hf_names.HF_NAMES disagree"
 
 
 class TensorNameError(ValueError):

@@ -26,17 +26,11 @@ from serving.backend import (
     TopK,
     TopP,
 )
-from serving.chat_session import ChatSession, TextStream, chat_tuned, completion_stream
+from serving.chat_session import ChatSession, chat_tuned, completion_stream
 from serving.flags import backend_name
-from serving.http import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_TOKENS_CAP,
-    ServerConfig,
-    bound_port,
-    parse_bind,
-    reserve_socket,
-    serve,
-)
+from serving.http import ServerConfig, bound_port, parse_bind, reserve_socket, serve
+from serving.http_requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP
+from serving.text_stream import TextStream
 from training.cli import ArgumentParser, run_main
 from training.schema import PositiveInt, flag
 

@@ -9,7 +9,7 @@ A backend exposes the few primitives the rest of prodip needs:
 - `generate(ids, params)`: a stream of token ids, sampled with `SamplingParams`,
 - `chat(messages, params)`: renders through `training.chat` and streams text pieces,
 - optionally `detokenize_bytes(ids)`: raw bytes, a lone byte-fallback token included (serving's stream
-  decoder, serving.chat_session.bytes_decoder, reads them; without it, SentencePiece pieces are used).
+  decoder, serving.text_stream.bytes_decoder, reads them; without it, SentencePiece pieces are used).
 Text given to a backend is normalized with `training.text.normalize` first, always.
 """
 

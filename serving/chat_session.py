@@ -7,32 +7,26 @@
   text and says so in the notice.
 - When a conversation outgrows the context, the oldest non-system turns are dropped and the result
   carries a notice for the user; a single message that cannot fit is a `PromptTooLong` error.
-- `TextStream` turns a backend's token stream into text pieces through `training.wellformed.decode_utf8`
-  over the tokens' bytes (`bytes_decoder`): incomplete UTF-8 is held back until it completes, a byte
-  sequence that never becomes UTF-8 is dropped and counted (`stats.invalid_bytes`), so no U+FFFD is
-  ever shown; stop strings end the reply (and are never shown, not even in part), timing is recorded.
+- The reply streams through `serving.text_stream.TextStream` (UTF-8-safe text pieces, stop strings,
+  timing); this module decides what the prompt is and keeps a terminal conversation's turns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from serving.backend import Backend, SamplingParams, ServingError
+from serving.text_stream import TextStream
 from training import layout
 from training.chat import STOP_STRINGS, ChatError, encode, truncate_history, validate
 from training.tokenizer import IM_END, IM_START
-from training.wellformed import REPLACEMENT, decode_utf8
 
-REPLACEMENT_CHAR = REPLACEMENT  # what a lenient decoder writes for bytes that are not (yet) UTF-8
 # At most this share of the context is held back for the reply when fitting the history.
 MAX_REPLY_SHARE = 0.5
-RECENT_STATS = 64  # GenerationProbe keeps the stats of this many finished generations
 
 
 class PromptTooLong(ServingError):
@@ -57,32 +51,6 @@ class BackendTokens:
     def encode(self, text: str) -> list[int]:
         return self.backend.tokenize(text, bos=False, allow_special=False)
 
-
-def bytes_decoder(backend: Backend) -> Callable[[Sequence[int]], bytes]:
-    """ids -> raw bytes (not yet UTF-8-checked), callable while `generate` is suspended mid-stream:
-    the backend's `detokenize_bytes` (llama.cpp, transformers), else its SentencePiece tokenizer's pieces
-    (torch, onnx), else its `detokenize` text encoded (a U+FFFD in it then stays one). Cached per backend."""
-    cached = getattr(backend, "_prodip_bytes_decoder", None)
-    if cached is not None:
-        return cached
-    own = getattr(backend, "detokenize_bytes", None)
-    tok = getattr(backend, "tokenizer", None)
-    if callable(own):
-        dec = own
-    elif tok is not None and callable(getattr(tok, "decode_bytes", None)):
-        dec = tok.decode_bytes
-    else:
-        def dec(ids: Sequence[int]) -> bytes:
-            return backend.detokenize(ids).encode("utf-8")
-    with contextlib.suppress(AttributeError):
-        backend._prodip_bytes_decoder = dec  # type: ignore[attr-defined]
-    return dec
-
-
-def text_decoder(backend: Backend) -> Callable[[Sequence[int]], str]:
-    """ids -> text, invalid byte sequences dropped (never U+FFFD): decode_utf8 over bytes_decoder."""
-    dec = bytes_decoder(backend)
-    return lambda ids: decode_utf8(dec(ids)).text
 
 
 def backend_tokens(backend: Backend) -> BackendTokens:
@@ -216,163 +184,6 @@ def prepare_completion(backend: Backend, prompt: str) -> list[int]:
     return ids
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int
-    completion_tokens: int = 0
-    time_to_first_token_s: float | None = None
-    total_s: float = 0.0
-    finish_reason: str | None = None  # "stop" (end of turn or stop string) | "length" | "cancelled" (closed early)
-    invalid_bytes: int = 0  # byte sequences the model left invalid UTF-8: dropped from the text
-    # time.perf_counter() when the request arrived (or the stream asked for the lock), got the lock, and
-    # its generation loop ended
-    queued_at: float | None = None
-    started_at: float | None = None
-    ended_at: float | None = None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Generation speed after the first token (the first one pays for the prompt)."""
-        if self.time_to_first_token_s is None or self.completion_tokens < 2:
-            return None
-        dt = self.total_s - self.time_to_first_token_s
-        return (self.completion_tokens - 1) / dt if dt > 0 else None
-
-
-def _held_tail(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-class GenerationProbe:
-    """Counts generations as they wait for and hold the generation lock: the server's record of its
-    one-at-a-time and stop-on-disconnect guarantees (the HTTP tests read it; /health reports it)."""
-
-    def __init__(self) -> None:
-        self._mu = threading.Lock()
-        self.waiting = self.active = self.peak_waiting = self.peak_active = self.started = self.finished = 0
-        self.recent: deque[GenerationStats] = deque(maxlen=RECENT_STATS)  # bounded: a server runs for days
-
-    @contextlib.contextmanager
-    def queued(self) -> Iterator[None]:
-        with self._mu:
-            self.waiting += 1
-            self.peak_waiting = max(self.peak_waiting, self.waiting)
-        try:
-            yield
-        finally:
-            with self._mu:
-                self.waiting -= 1
-
-    @contextlib.contextmanager
-    def running(self, stats: GenerationStats) -> Iterator[None]:
-        with self._mu:
-            self.active += 1
-            self.started += 1
-            self.peak_active = max(self.peak_active, self.active)
-        try:
-            yield
-        finally:
-            with self._mu:
-                self.active -= 1
-                self.finished += 1
-                self.recent.append(stats)
-
-    def snapshot(self) -> dict:
-        with self._mu:
-            return {"waiting": self.waiting, "active": self.active, "peak_waiting": self.peak_waiting,
-                    "peak_active": self.peak_active, "started": self.started, "finished": self.finished}
-
-
-@dataclass
-class TextStream:
-    """Iterate for text pieces; `stats` is complete once iteration ends. `lock` (if given) is held
-    for the whole generation: llama.cpp contexts must not run two generations at once."""
-
-    backend: Backend
-    ids: list[int]
-    params: SamplingParams
-    lock: threading.Lock | None = None
-    probe: GenerationProbe | None = None
-    stats: GenerationStats = field(init=False)
-    text: str = field(init=False, default="")
-
-    def __post_init__(self) -> None:
-        self.params = self.params.validate()
-        self.stats = GenerationStats(prompt_tokens=len(self.ids))
-
-    def __iter__(self) -> Iterator[str]:
-        probe = self.probe or GenerationProbe()
-        if self.stats.queued_at is None:  # a server sets it when the request arrived
-            self.stats.queued_at = time.perf_counter()
-        with probe.queued():
-            if self.lock is not None:
-                self.lock.acquire()
-        self.stats.started_at = time.perf_counter()
-        try:
-            with probe.running(self.stats):
-                yield from self._run()
-        finally:
-            if self.lock is not None:
-                self.lock.release()
-
-    def _run(self) -> Iterator[str]:
-        stops = [s for s in self.params.stop if s]
-        decode = bytes_decoder(self.backend)
-        gen: list[int] = []
-        emitted = 0
-        text = ""
-        t0 = time.perf_counter()
-        finish = None
-        tokens = self.backend.generate(self.ids, self.params)
-        try:
-            for tid in tokens:
-                if not gen:
-                    self.stats.time_to_first_token_s = time.perf_counter() - t0
-                gen.append(tid)
-                self.stats.completion_tokens = len(gen)
-                self.stats.total_s = time.perf_counter() - t0  # live, so tokens/s can be shown mid-reply
-                # An incomplete character at the end waits for its next bytes; invalid ones are dropped.
-                decoded = decode_utf8(decode(gen), final=False)
-                text, self.stats.invalid_bytes = decoded.text, len(decoded.invalid)
-                hits = [i for i in (text.find(s, emitted) for s in stops) if i >= 0]
-                if hits:
-                    cut = min(hits)
-                    if cut > emitted:
-                        yield text[emitted:cut]
-                    text, emitted, finish = text[:cut], cut, "stop"
-                    break
-                safe = len(text) - _held_tail(text, stops)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
-            else:
-                # The backend ended by itself: end of turn, or the token budget / context ran out. Bytes
-                # still incomplete now never will be: invalid.
-                hit_budget = (len(gen) >= self.params.max_new_tokens
-                              or len(self.ids) + len(gen) >= self.backend.n_ctx)
-                finish = "length" if hit_budget else "stop"
-                decoded = decode_utf8(decode(gen), final=True)
-                text, self.stats.invalid_bytes = decoded.text, len(decoded.invalid)
-                if len(text) > emitted:
-                    yield text[emitted:]
-                    emitted = len(text)
-        except GeneratorExit:  # the consumer closed the stream (a client hung up): stop generating
-            finish = "cancelled"
-            raise
-        finally:
-            if hasattr(tokens, "close"):
-                tokens.close()  # ends the backend's loop now (llama.cpp releases its context lock here)
-            self.text = text[:emitted]
-            self.stats.ended_at = time.perf_counter()
-            self.stats.total_s = self.stats.ended_at - t0
-            self.stats.finish_reason = finish
 
 
 def chat_stream(backend: Backend, messages: Sequence[dict], params: SamplingParams,

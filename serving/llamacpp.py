@@ -12,8 +12,9 @@
   context itself is built without `logits_all`, which would copy every token's logits into Python);
 - generate: the prompt in batches of n_batch (logits of its last position only), then one token per
   step, each sampled by a llama.cpp sampler chain (penalties, then greedy, or top-k, top-p, temperature,
-  seeded draw) inside llama.cpp: no logits cross into Python while generating; a prompt that extends
-  what the KV cache holds (a chat's next turn) decodes only its new tokens;
+  seeded draw) inside llama.cpp: no logits cross into Python while generating (the batch, the sampler
+  chain and the decode loop are serving.llamacpp_decode's); a prompt that extends what the KV cache
+  holds (a chat's next turn) decodes only its new tokens;
 - one threading.Lock around everything that touches the context (logits, generate): a Llama object
   is never entered by two requests at once; a generate stream holds it until it ends or is closed.
 For prodip files the KV cache is F32 (`kv_f32`): the default F16 cache alone moves logits by ~4e-3,
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.backend import CHAT_TUNED_KEY, SamplingParams, ServingError
+from serving.llamacpp_decode import AllLogitsBatch, decode_rows, decode_tokens, sampler_chain
 from training.chat import CHAT_TEMPLATE
 from training.text import normalize
 from training.tokenizer import EOS, IM_END
@@ -47,8 +49,6 @@ FILE_TYPE_KEY = "general.file_type"
 NAME_KEY = "general.name"
 TEMPLATE_KEY = "tokenizer.chat_template"
 FOREIGN_MAX_CTX = 4096  # default context for foreign files (llama.cpp's own default), when n_ctx is not given
-PENALTY_LAST_N = 64  # tokens repetition_penalty looks back over (llama-cpp-python's last_n_tokens_size default)
-MIN_KEEP = 1  # candidates top-p always keeps
 _LOG_LOCK = threading.Lock()  # llama.cpp's log callback is process-wide: one load captures it at a time
 
 
@@ -143,40 +143,6 @@ def _type_label(path: Path) -> str:
     """'Q4_K_M' from 'name-Q4_K_M.gguf' (file names carry the type), else the stem."""
     stem = path.stem
     return stem.rsplit("-", 1)[-1] if "-" in stem else stem
-
-
-class _AllLogitsBatch:
-    """A llama_batch of up to `size` tokens of sequence 0 that asks for every position's logits."""
-
-    def __init__(self, size: int):
-        import llama_cpp
-
-        self.size = size
-        self.batch = llama_cpp.llama_batch_init(size, 0, 1)
-        for i in range(size):
-            self.batch.n_seq_id[i] = 1
-            self.batch.seq_id[i][0] = 0
-            self.batch.logits[i] = 1
-        self._token, self._pos = self.batch.token, self.batch.pos  # the pointers, fetched once
-
-    def fill(self, ids: list[int], pos0: int):
-        n = len(ids)
-        tokens, positions = np.asarray(ids, dtype=np.int32), np.arange(pos0, pos0 + n, dtype=np.int32)
-        ctypes.memmove(self.batch.token, tokens.ctypes.data, tokens.nbytes)  # both arrays alive here
-        ctypes.memmove(self.batch.pos, positions.ctypes.data, positions.nbytes)
-        self.batch.n_tokens = n
-        return self.batch
-
-    def one(self, token: int, pos: int):
-        """The batch holding one token at `pos`: the decode loop's per-token step, two stores."""
-        self._token[0], self._pos[0] = token, pos
-        self.batch.n_tokens = 1
-        return self.batch
-
-    def free(self) -> None:
-        import llama_cpp
-
-        llama_cpp.llama_batch_free(self.batch)
 
 
 class LlamaCppBackend:
@@ -306,19 +272,9 @@ class LlamaCppBackend:
 
     def _decode_all(self, ids: list[int], pos0: int) -> np.ndarray:
         """(len(ids), V) logits of `ids` placed at positions pos0.., in batches of n_batch, every row asked for."""
-        import llama_cpp
-
         if self._batch is None:
-            self._batch = _AllLogitsBatch(self.llm.n_batch)
-        rows = []
-        for i in range(0, len(ids), self._batch.size):
-            chunk = ids[i:i + self._batch.size]
-            rc = llama_cpp.llama_decode(self.llm.ctx, self._batch.fill(chunk, pos0 + i))
-            if rc != 0:
-                raise ServingError(f"{self.path.name}: llama_decode returned {rc}")
-            out = llama_cpp.llama_get_logits(self.llm.ctx)
-            rows.append(np.ctypeslib.as_array(out, shape=(len(chunk), self.n_vocab)).copy())
-        return np.concatenate(rows)
+            self._batch = AllLogitsBatch(self.llm.n_batch)
+        return decode_rows(self.llm.ctx, self._batch, ids, pos0, self.n_vocab, self.path.name)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """(T, V) fp32 logits for every position, the whole sequence evaluated in one batch."""
@@ -335,25 +291,6 @@ class LlamaCppBackend:
             rows = [self._decode_all(ids[:prefix], 0)] if prefix else []
             rows += [self._decode_all([t], i) for i, t in enumerate(ids[prefix:], prefix)]
             return np.concatenate(rows)
-
-    def _sampler(self, params: SamplingParams):
-        """A llama.cpp sampler chain for `params`: the stages llama-cpp-python's Llama.generate builds
-        (its typical-p 1.0 and min-p 0.0 stages do nothing and are left out), so seeded draws are the same."""
-        import llama_cpp
-
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        stages = [llama_cpp.llama_sampler_init_penalties(self.n_vocab, PENALTY_LAST_N, params.repetition_penalty,
-                                                         0.0, 0.0)]
-        if params.temperature == 0:
-            stages.append(llama_cpp.llama_sampler_init_greedy())
-        else:
-            stages += [llama_cpp.llama_sampler_init_top_k(params.top_k),
-                       llama_cpp.llama_sampler_init_top_p(params.top_p, MIN_KEEP),
-                       llama_cpp.llama_sampler_init_temp(params.temperature),
-                       llama_cpp.llama_sampler_init_dist(self._seed)]
-        for stage in stages:
-            llama_cpp.llama_sampler_chain_add(chain, stage)  # the chain owns (and frees) its stages
-        return chain
 
     def _prefill(self, ids: list[int]) -> None:
         """Decode the prompt. When the KV cache holds a strict prefix of it (a chat's earlier turns and
@@ -379,31 +316,12 @@ class LlamaCppBackend:
         with self._lock:
             if params.seed is not None:
                 self._seed = params.seed
-            chain = self._sampler(params)
+            chain = sampler_chain(params, self.n_vocab, self._seed)
             try:
                 self._prefill(ids)
-                # per token: one sample and one decode call into llama.cpp, through a batch made once.
-                # Not Llama.eval: its per-call Python (a cache trim, a batch refill, ctypes field
-                # lookups) cost ~10% of a small Q4_K_M model's decode (callgrind, docs/serving.md).
-                # llama-cpp-python's record of the cache (input_ids, n_tokens), which the next
-                # request's prefix reuse reads, is kept here as Llama.eval keeps it.
                 if self._step is None:
-                    self._step = _AllLogitsBatch(1)
-                ctx, one, llm = self.llm.ctx, self._step.one, self.llm
-                sample, decode = llama_cpp.llama_sampler_sample, llama_cpp.llama_decode
-                for n in range(1, limit + 1):
-                    tok = sample(chain, ctx, -1)
-                    if tok in self.eos_ids:
-                        return
-                    yield tok
-                    if n == limit:
-                        return
-                    pos = llm.n_tokens
-                    rc = decode(ctx, one(tok, pos))
-                    if rc != 0:
-                        raise ServingError(f"{self.path.name}: llama_decode returned {rc}")
-                    llm.input_ids[pos] = tok
-                    llm.n_tokens = pos + 1
+                    self._step = AllLogitsBatch(1)
+                yield from decode_tokens(self.llm, chain, self._step, self.eos_ids, limit, self.path.name)
             finally:
                 llama_cpp.llama_sampler_free(chain)
 

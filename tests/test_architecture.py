@@ -329,14 +329,6 @@ SIZE_MARK = "# size:"  # `# size: <reason>` in a module's first lines, or on/abo
 # What earns its size, and what is still to split (name each in the issue that splits it).
 SIZE_ALLOWED = {
     "training/model.py": "the one model definition: config, every block and the KV-cache path in one place",
-    "serving/http.py::create_app": "the HTTP app factory: every route as a closure over one backend",
-    "training/checkpoint.py": "TODO(#26): the Checkpointer component takes its save/resume half",
-    "serving/chat_session.py": "TODO(#26): split the session state from the streaming",
-    "serving/http.py": "TODO(#26): create_app's routes into their own module",
-    "serving/llamacpp.py": "TODO(#26): split the sampler chain and the decode loop",
-    "export/imatrix.py": "TODO(#26): split the PyTorch importance from the comparison",
-    "export/imatrix.py::torch_importance": "TODO(#26): split the hooks from the pass over the text",
-    "demo/app.py::build_app": "TODO(#26): one builder per tab",
 }
 
 

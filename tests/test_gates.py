@@ -163,19 +163,6 @@ def test_fused_backward_wrong_with_exact_forward(gate_data):
     assert gradient_flow(ctx).passed
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("PRODIP_TEST_COMPILE") != "1",
-                    reason=f"{OPT_IN} real torch.compile on CPU takes minutes: set PRODIP_TEST_COMPILE=1")
-def test_real_torch_compile_matches_eager(gate_data):
-    """torch.compile on CPU (needs a C++ compiler): the compiled object agrees with eager."""
-    cfg = train_cfg(gate_data, compile=True)
-    ctx = make_ctx(gate_data, cfg=cfg)
-    ctx.model = torch.compile(ctx.raw_model)
-    r = compiled_vs_eager(ctx)
-    assert r.passed, r.detail
-    assert "torch.compile" in r.detail
-
-
 # -------------------------------------------------------------------------- overfit one batch
 def test_overfit_catches_stale_optimizer(gate_data):
     ctx = make_ctx(gate_data, optimizer=P.stale_optimizer)

@@ -311,7 +311,8 @@ def test_versus_plain_catches_a_harmful_importance_matrix(quants, tmp_path):
     """The export's check is not a formality: an importance matrix that weighs one input column of
     every weight a million times above the rest quantizes Q4_K_M worse than no matrix at all, and
     versus_plain says so; the real matrix's file stays within MAX_KL_RATIO of its plain twin."""
-    from export.imatrix import read_imatrix, versus_plain, write_imatrix
+    from export.imatrix import versus_plain
+    from export.imatrix_format import read_imatrix, write_imatrix
 
     skewed = {}
     for name, (sums, counts) in read_imatrix(quants["imatrix"]).items():

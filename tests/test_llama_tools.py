@@ -207,14 +207,16 @@ def _calls(base_url: str) -> dict:
             "stream": "".join(pieces), "completion": completion.choices[0].text}
 
 
-@pytest.mark.xfail(strict=False, reason="known regression (stop 26, CI run of 0a16e85): our server's greedy chat "
-                   "text had one repeated word fewer than llama-server's on the same GGUF; open in #31's note")
 def test_llama_server_answers_the_openai_client_like_our_server(ggufs, tmp_path):
     pytest.importorskip("openai", reason="opt-in: the official client is a dev dependency: pip install openai")
     model = ggufs["Q4_K_M"]
     p1, p2 = _free_port(), _free_port()
     theirs_cmd = [str(tool_path("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(p1),
-                  "-c", "256", "-t", "1", "-np", "1", "-ctk", "f32", "-ctv", "f32", "--seed", str(SEED)]
+                  "-c", "256", "-t", "1", "-np", "1", "-ctk", "f32", "-ctv", "f32", "--seed", str(SEED),
+                  # our llama.cpp backend runs without flash attention (llama-cpp-python's default); the
+                  # server's default 'auto' turns it on for the CPU, whose different summation order flipped
+                  # a near-tie in this tiny model's greedy text (stop 26's CI run)
+                  "-fa", "off"]
     ours_cmd = [sys.executable, "-m", "serving", str(model), "--http", f"127.0.0.1:{p2}", "--threads", "1"]
     with _server(theirs_cmd, p1, tmp_path / "llama-server.log") as url:
         theirs = _calls(url)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from serving.backend import SamplingParams
-from serving.llamacpp import GGML_TYPE_F32, PENALTY_LAST_N, LlamaCppBackend
+from serving.llamacpp import GGML_TYPE_F32, LlamaCppBackend
+from serving.llamacpp_decode import PENALTY_LAST_N
 
 PROMPT = "আমাদের গ্রামের পাশ দিয়ে একটি ছোট নদী বয়ে গেছে। বর্ষায় নদী ভরে ওঠে,"
 N_NEW = 24

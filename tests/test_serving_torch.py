@@ -17,16 +17,8 @@ from fixtures_serve import (
 
 from serving import load
 from serving.backend import SamplingParams, ServingError
-from serving.chat_session import (
-    REPLACEMENT_CHAR,
-    ChatSession,
-    PromptTooLong,
-    TextStream,
-    _held_tail,
-    chat_stream,
-    completion_stream,
-    prepare_chat,
-)
+from serving.chat_session import ChatSession, PromptTooLong, chat_stream, completion_stream, prepare_chat
+from serving.text_stream import REPLACEMENT_CHAR, TextStream, _held_tail
 from serving.torch_backend import TorchBackend
 from training.checkpoint import latest, load_model
 from training.model import Transformer, preset

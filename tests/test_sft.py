@@ -177,9 +177,9 @@ def test_record_formats_are_read_alike(tmp_path):
                                                                   {"from": "gpt", "value": a}]}])
     arr = tmp_path / "arr.json"
     arr.write_text(json.dumps([{"instruction": u, "input": "", "output": a}], ensure_ascii=False))
-    got = [sft_data.read_records(p)[0].messages for p in (msgs, alpaca, share)]
+    got = [sft_data.read_conversations(p)[0].messages for p in (msgs, alpaca, share)]
     assert got[0] == got[1] == got[2]
-    assert sft_data.read_records(arr)[0].messages == [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    assert sft_data.read_conversations(arr)[0].messages == [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
 
 
 @pytest.mark.parametrize("line, needle", [
@@ -192,18 +192,18 @@ def test_bad_records_name_file_and_line(tmp_path, line, needle):
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"messages": SHORT}, ensure_ascii=False) + "\n" + line + "\n", encoding="utf-8")
     with pytest.raises(sft_data.SFTError, match=needle) as e:
-        sft_data.read_records(p)
+        sft_data.read_conversations(p)
     assert "bad.jsonl:2" in str(e.value)
 
 
 def test_validation_split_from_field_else_by_hash(tmp_path):
     recs = [{"messages": [{"role": "user", "content": f"প্রশ্ন {i}"}, {"role": "assistant", "content": f"উত্তর {i}"}],
              "split": "test" if i % 10 == 0 else "train"} for i in range(200)]
-    train, val, how = sft_data.split_records(sft_data.read_records(write_jsonl(tmp_path / "s.jsonl", recs)))
+    train, val, how = sft_data.split_records(sft_data.read_conversations(write_jsonl(tmp_path / "s.jsonl", recs)))
     assert how == "split field" and len(val) == 20 and len(train) == 180
     for r in recs:
         del r["split"]
-    records = sft_data.read_records(write_jsonl(tmp_path / "h.jsonl", recs))
+    records = sft_data.read_conversations(write_jsonl(tmp_path / "h.jsonl", recs))
     train, val, how = sft_data.split_records(records)
     assert how.startswith("hash") and 0 < len(val) < 30 and len(train) + len(val) == 200
     again = sft_data.split_records(list(reversed(records)))[1]  # by content, not position

@@ -26,8 +26,9 @@ from conftest import REPO
 from fastapi.testclient import TestClient
 
 from serving import SamplingParams, load
-from serving.chat_session import completion_stream, text_decoder
+from serving.chat_session import completion_stream
 from serving.http import ServerConfig, create_app
+from serving.text_stream import text_decoder
 from training import checkpoint, layout
 from training.model import ModelConfig, Transformer
 from training.tokenizer import Tokenizer

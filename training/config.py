@@ -24,11 +24,13 @@ from pydantic import AfterValidator, Field
 from training.gates.names import PREFLIGHT_NAMES, is_known_gate
 from training.model import ModelConfig, field_types, model_table, preset, preset_names, preset_tables
 from training.schema import (
+    URL_SCHEME,
     LocalPath,
     NonNegFloat,
     NonNegInt,
     PositiveFloat,
     Probability,
+    RunLocation,
     SchemaError,
     Seed,
     check,
@@ -87,8 +89,8 @@ Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # AdamW require
 
 @dataclass
 class TrainConfig:
-    data: LocalPath = ""
-    out: LocalPath = ""
+    data: RunLocation = ""  # a local folder, or a store URL pulled once into a local cache (training.remote)
+    out: RunLocation = ""  # a local folder, or a store URL mirrored from a local cache (training.loop.mirror)
     preset: PresetName = "small"
     max_steps: Count = 0
     max_tokens: Count = 0
@@ -127,10 +129,13 @@ class TrainConfig:
     grad_flow_every: Count = 100
     skip_gates: list[GateName] = field(default_factory=list)
     init: LocalPath = ""
+    init_from: LocalPath = ""  # a Hugging Face model folder (or hub id): training.hf_import
     reset_optimizer: bool = False
     early_stop_patience: NonNegInt = 0
     log_to: Literal["", "tensorboard"] = ""
     fused_optimizer: Literal["auto", "on", "off"] = "auto"
+    cache: LocalPath = ""  # a URL --out's local copy (default: training.remote.cache_dir)
+    allow_local_only: bool = False
     model: dict[str, Any] = field(default_factory=dict)  # overrides of the preset's ModelConfig
 
     def __post_init__(self) -> None:
@@ -156,6 +161,14 @@ class TrainConfig:
         """The checks across fields, and the model built on paper: all before anything is written."""
         if self.max_steps <= 0 and self.max_tokens <= 0:
             raise ConfigError("set --max-steps or --max-tokens")
+        if (self.cache or self.allow_local_only) and not URL_SCHEME.match(self.out):
+            flag = "--cache" if self.cache else "--allow-local-only"
+            raise ConfigError(f"{flag} only applies when --out is a URL (s3://BUCKET/PREFIX/RUN), not {self.out!r}")
+        if self.init_from and self.init:
+            raise ConfigError(f"--init-from {self.init_from} and --init {self.init}: give one starting point")
+        if self.init_from and self.model:
+            raise ConfigError(f"--init-from {self.init_from}: the model's shape is its config.json's; drop the "
+                              f"[model] / --set keys {sorted(self.model)}")
         # on paper with the given vocab_size (or the preset's): model_config(data's) checks it later
         mc = self.model_config(self.model.get("vocab_size", preset(self.preset).vocab_size))
         if self.seq_len > mc.max_seq_len:
@@ -211,19 +224,26 @@ HELP: dict[str, str] = {
     "grad_flow_every": "check gradient flow every N steps (0: never)",
     "skip_gates": "pre-flight gates to skip (emergencies only; recorded loudly in gates.json)",
     "init": "start from this checkpoint's weights (fine-tuning)",
+    "init_from": "start from an open LlamaForCausalLM in Hugging Face layout: a local folder (config.json, "
+                 "*.safetensors, tokenizer.model) or a hub id when the hub is reachable; its config.json sets the "
+                 "model shape and --data must be prepared with its tokenizer.model (docs/init_from.md)",
     "reset_optimizer": "resume from a checkpoint whose optimizer state is missing or unreadable with a fresh "
                        "optimizer (recorded in log.jsonl); without it such a resume is refused",
     "early_stop_patience": "stop after N evaluations without a new best validation loss (0: off)",
     "log_to": "live logging as well as log.jsonl: '' (none) or tensorboard",
     "fused_optimizer": "fused AdamW, which skips a non-finite step on the device so loss and grad norm are read "
                        "only at --log-every: auto (on CUDA), on, off (host checks every step)",
+    "cache": "with a URL --out: the local folder the run is trained in and mirrored from "
+             "(default ~/.cache/prodip/runs/<hash of the URL>)",
+    "allow_local_only": "with a URL --out: exit 0 even when the store was unreachable for the whole run "
+                        "(the run is then only in the local cache)",
     "model": "overrides of the preset's model shape: the [model] table, or --set KEY=VALUE",
 }
 
 TABLES = ("train", "model")
 NOT_FLAGS = ("model", "skip_gates")  # set through --set KEY=VALUE and --skip-gate NAME
 NOT_SET = ("model", "skip_gates")  # not settable by --set (a table, a list)
-PER_RUN = ("preset", "data", "out", "init")  # a preset's recipe cannot name these
+PER_RUN = ("preset", "data", "out", "init", "init_from", "cache")  # a preset's recipe cannot name these
 
 
 def train_types() -> dict[str, Any]:

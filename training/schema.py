@@ -53,6 +53,22 @@ def _local_path(text: str) -> str:
 
 LocalPath = Annotated[str, AfterValidator(_local_path)]
 
+# The object stores a run folder (--out) or a data folder (--data) may live in, and the fsspec library
+# each needs (training.remote).
+URL_STORES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+
+
+def _run_location(text: str) -> str:
+    """A local path, or a store URL (`s3://bucket/prefix/run`): its scheme is one of URL_STORES'."""
+    m = URL_SCHEME.match(text)
+    if m and m.group(0)[:-3] not in URL_STORES:
+        raise ValueError(f"unknown URL scheme {m.group(0)} (supported: {', '.join(s + '://' for s in URL_STORES)}; "
+                         "or give a local path)")
+    return text
+
+
+RunLocation = Annotated[str, AfterValidator(_run_location)]
+
 
 VALUE_ERROR = "Value error, "  # how pydantic prefixes a ValueError raised by a validator
 

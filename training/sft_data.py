@@ -84,7 +84,7 @@ def to_messages(obj: object, where: str) -> list[dict]:
     return msgs
 
 
-def read_records(path: str | os.PathLike) -> list[Record]:
+def read_conversations(path: str | os.PathLike) -> list[Record]:
     """Conversations of a JSONL file or JSON array, through the one record reader (training.records)."""
     out = []
     for rec in records.read_records(path, "chat data", SFTError):
@@ -145,7 +145,7 @@ class SFTData:
     def load(cls, files: Sequence[str], tok: Tokenizer, seq_len: int) -> SFTData:
         if not files:
             raise SFTError("--data is required (a JSONL file of conversations)")
-        records = [r for f in files for r in read_records(f)]
+        records = [r for f in files for r in read_conversations(f)]
         train_recs, val_recs, how = split_records(records)
         stats = {"records": len(records), "split_by": how}
         rows: dict[str, list[Row]] = {}

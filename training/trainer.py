@@ -10,6 +10,7 @@ or is refused naming why (training.loop.checkpointer).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,9 @@ from training.data import Prefetcher, TrainingData
 from training.loop.checkpointer import Checkpointer, Live
 from training.loop.checks import RuntimeChecks
 from training.loop.early_stopping import EarlyStopping
+from training.loop.init_from import HFInit
 from training.loop.metrics_logger import MetricsLogger
+from training.loop.mirror import Mirror, pull_data
 from training.loop.preemption import PreemptionStop
 from training.loop.preflight import Preflight
 from training.loop.ranks import USER_ERRORS, TrainError, agreed
@@ -63,6 +66,7 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.checkpointer: Checkpointer | None = None
         self.preemption: PreemptionStop | None = None
+        self.hf_init = HFInit(cfg.init_from, lambda m: self.say(m)) if cfg.init_from else None  # --init-from
 
     def run(self) -> dict:
         """Run (or resume) training; returns a summary dict."""
@@ -76,7 +80,7 @@ class Trainer:
             self.preflight()
             self.commit()
             self.train_loop()
-            return self.summary()
+            summary = self.summary()
         finally:
             if self.preemption is not None:
                 self.preemption.restore()
@@ -84,7 +88,12 @@ class Trainer:
                 self.checkpointer.close()
             if self.metrics is not None:
                 self.metrics.close()
+            # a URL --out: the last checkpoint and the run files uploaded (a preempted run's too)
+            unmirrored = self.checkpointer.close_mirror(cfg.allow_local_only) if self.checkpointer else ""
             D.teardown(self.dist)
+        if unmirrored:
+            raise TrainError(unmirrored)
+        return summary
 
     def say(self, *a, **k) -> None:
         if self.dist.is_main:  # rank 0 alone prints
@@ -93,15 +102,20 @@ class Trainer:
     def setup(self) -> None:
         """Device, data, model config, the run folder and resume source, model (+ wrap, compile),
         optimizer, and the resume, if any: all read and checked, nothing written."""
-        cfg, d, out = self.cfg, self.dist, Path(self.cfg.out)
+        cfg, d = self.cfg, self.dist
         self.device = pick_device(cfg.device, d)  # TF32 matmuls on CUDA
+        # a URL --out is checked (scheme, library, credentials, bucket) and trained in a local cache folder
+        mirror = agreed(d, self.device, f"opening --out {cfg.out}", lambda: Mirror.open(cfg, d, self.say))
+        out = mirror.cache if mirror is not None else Path(cfg.out)
         torch.manual_seed(cfg.seed)
         self.metrics = MetricsLogger(cfg, out, d, self.device)
-        self.data, model_cfg = agreed(d, self.device, f"reading --data {cfg.data}", self.read_data)
+        local = agreed(d, self.device, f"pulling --data {cfg.data}", lambda: pull_data(cfg, self.recipe.kind, d, self.say))
+        self.data, model_cfg = agreed(d, self.device, f"reading --data {cfg.data}", lambda: self.read_data(local))
         self.folder = RunFolder(out, d, kind=self.recipe.kind, force=self.recipe.force)
         self.early = EarlyStopping(cfg.early_stop_patience, out, d, log=self.metrics.event, say=self.say)
         self.checkpointer = Checkpointer(out, d, self.device, cfg, kind=self.recipe.kind, log=self.metrics.event,
                                          say=self.say)
+        self.checkpointer.mirror = mirror  # uploads each save once commit() started it
         latest = self.check_run_dir(model_cfg)
         if self.early.prior is not None:
             return
@@ -117,10 +131,14 @@ class Trainer:
         if latest is not None:
             self.step = self.checkpointer.resume(latest, self.views)
 
-    def read_data(self) -> tuple[TrainingData, ModelConfig]:
+    def read_data(self, local: Path | None) -> tuple[TrainingData, ModelConfig]:
+        """The data (from the folder a --data URL was pulled into, if any) and the model config."""
         cfg = self.cfg
-        data = self.recipe.data_factory(cfg, self.dist)
-        model_cfg = cfg.model_config(data.tokenizer.vocab_size)
+        data = self.recipe.data_factory(cfg if local is None else dataclasses.replace(cfg, data=str(local)), self.dist)
+        if self.hf_init is not None:  # the shape is the HF config's; the folder's tokenizer must be the data's
+            model_cfg = self.hf_init.open(data.tokenizer, cfg.data)
+        else:
+            model_cfg = cfg.model_config(data.tokenizer.vocab_size)
         if cfg.seq_len > model_cfg.max_seq_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
         if cfg.early_stop_patience and not (data.val and cfg.eval_every):
@@ -142,6 +160,7 @@ class Trainer:
                 self.early.check_prior(latest)
             return latest
 
+        self.checkpointer.pull_remote(model_cfg, self.recipe.force)  # a URL --out: its newest checkpoint
         latest = agreed(self.dist, self.device, f"reading the run folder {self.folder.out}", read)
         mine = D.RunView(ckpt.step_of(latest) if latest is not None else -1, Checkpointer.fingerprint(latest),
                          self.folder.start_over, self.early.prior is not None)
@@ -154,6 +173,9 @@ class Trainer:
             model = self.recipe.model_class(model_cfg)
         if cfg.init and init_weights:
             self.say(f"initialized from {self.checkpointer.init_from(model, self.data.tokenizer.sha256)}")
+        if self.hf_init is not None and init_weights:
+            agreed(self.dist, self.device, f"importing --init-from {cfg.init_from}",
+                   lambda: self.hf_init.load(model, self.data))
         return build_views(model, cfg, self.dist, self.device, self.new_optimizer)
 
     def new_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -165,10 +187,13 @@ class Trainer:
         if not self.step:
             preflight = Preflight(self.cfg, self.dist, self.folder, self.say)
             self.folder.gate_report = preflight.run(self.views, self.data, self.new_optimizer, self.metrics.peak_flops)
+            if self.hf_init is not None:  # its parity gate passed: a failed import stops in setup
+                self.folder.gate_report.results[:0] = self.hf_init.gates
 
     def commit(self) -> None:
         self.folder.commit(model_cfg=self.views.model.cfg, train=self.cfg.to_dict(), tokenizer=self.data.tokenizer)
         self.metrics.open(self.step)
+        self.checkpointer.start_mirror()
         self.dist.barrier()
 
     def train_loop(self) -> None:

@@ -22,6 +22,7 @@ from training import checkpoint as ckpt
 from training import distributed as D
 from training import layout, optim
 from training.config import TrainConfig
+from training.loop.mirror import Mirror
 from training.loop.ranks import USER_ERRORS, TrainError, agreed
 from training.loop.step import ModelViews
 from training.tokenizer import Tokenizer
@@ -58,6 +59,25 @@ class Checkpointer:
         self.components: list[tuple[str | None, str, Stateful]] = []
         self.saved_step = 0
         self.keep: Callable[[], Container[int]] = tuple  # steps keep-N must not prune (the best, early stopping)
+        self.mirror: Mirror | None = None  # a URL --out: each save, once handed to the writer, is uploaded
+
+    # ---------------------------------------------------------------- a URL --out (training.loop.mirror)
+    def pull_remote(self, model_cfg: Any, force: bool) -> None:
+        """The URL holds this run or nothing (else refused); its newest committed checkpoint pulled into the cache."""
+        if (m := self.mirror) is not None:
+            agreed(self.dist, self.device, f"reading --out {m.url}",
+                   lambda: m.prepare(model_cfg, force) if self.dist.is_main else None)
+
+    def start_mirror(self) -> None:
+        """Uploads start once the run folder is written: nothing before the checks."""
+        if (m := self.mirror) is not None:
+            m.keep = self.keep
+            m.start()
+            m.run_files()
+
+    def close_mirror(self, allow_local_only: bool) -> str:
+        """The last uploads waited for; why the run must still fail ('' when it need not)."""
+        return self.mirror.close(allow_local_only) if self.mirror is not None else ""
 
     def register(self, key: str | None, component: Stateful, what: str = "") -> None:
         self.components.append((key, what or str(key), component))
@@ -215,6 +235,8 @@ class Checkpointer:
             self.writer.save(self.out, step, weights=ckpt.drop_tied(weights, model_cfg), cfg=model_cfg,
                              tokenizer=tokenizer, optim_tensors=tensors, rng=optim.rng_state(self.device), state=state,
                              keep_last=self.cfg.keep_last, keep=self.keep(), fresh=offload, checked=True)
+            if self.mirror is not None:
+                self.mirror.checkpoint(step)
         d.barrier()
         self.saved_step = step
 

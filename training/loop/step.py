@@ -168,12 +168,13 @@ class TrainStep:
             loss_sum += loss.detach()
         loss = d.mean(loss_sum / cfg.grad_accum)
         # a non-finite norm leaves the gradients as they are, for the diagnostic to name the parameter
-        norm = gates.clip_grad_norm_finite(v.wrapped.parameters(), cfg.grad_clip)
+        norms: list[torch.Tensor] = []  # per-gradient norms, shared with first_nonfinite_index below
+        norm = gates.clip_grad_norm_finite(v.wrapped.parameters(), cfg.grad_clip, norms_out=norms)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         r = StepResult(step, lr, loss, norm, position)
         if not read_now:  # what the device-side skip and a later diagnostic need
             r.nonfinite = (~(torch.isfinite(loss) & torch.isfinite(norm))).float()
-            r.first_bad = first_nonfinite_index(v.trainable)
+            r.first_bad = first_nonfinite_index(v.trainable, norms[0] if norms else None)
         return r
 
     def apply(self, r: StepResult) -> None:

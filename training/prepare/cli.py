@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=_typed("vocab_size"), default=None, metavar="N",
                    help=f"tokenizer vocabulary (default {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--tokenizer", type=Path, default=None, metavar="FILE", help="use this tokenizer.model instead of training one")
+    p.add_argument("--extend-tokenizer", type=Path, default=None, metavar="BASE",
+                   help="append pieces trained on the corpus to this tokenizer.model (an imported model's; ids of "
+                        "its pieces unchanged) and use the result (docs/init_from.md)")
+    p.add_argument("--add-pieces", type=_typed("add_pieces"), default=None, metavar="N",
+                   help="with --extend-tokenizer: how many new pieces")
     p.add_argument("--mix", default=None, metavar="LANG=SHARE,...", help="target character shares, e.g. bn=0.8,en=0.2 (down-samples)")
     p.add_argument("--val-fraction", type=_typed("val_fraction"), default=DEFAULT_VAL_FRACTION, metavar="F",
                    help="share of documents held out (by hash of their text)")

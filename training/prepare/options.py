@@ -48,15 +48,17 @@ OPTION_TYPES = {
     "fertility_floor": ("--fertility-floor", NonNegFloat), "fertility_ratio": ("--fertility-ratio", NonNegFloat),
     "max_sentences": ("--max-sentences", PositiveInt), "eval_docs": ("--eval-docs", PositiveInt),
     "shard_index": ("--shard-index", NonNegInt), "num_shards": ("--num-shards", PositiveInt),
-    "memory_gb": ("--memory-gb", PositiveFloat),
+    "memory_gb": ("--memory-gb", PositiveFloat), "add_pieces": ("--add-pieces", PositiveInt),
 }
-OPTIONAL = {"vocab_size", "workers"}  # None: the default (DEFAULT_VOCAB_SIZE or the tokenizer's; all cores)
+OPTIONAL = {"vocab_size", "workers", "add_pieces"}  # None: the default (DEFAULT_VOCAB_SIZE or the tokenizer's; all cores)
 
 
 @dataclass
 class Options:
     vocab_size: int | None = None  # None: DEFAULT_VOCAB_SIZE, or the --tokenizer's own size
     tokenizer: Path | None = None
+    extend_tokenizer: Path | None = None  # a base model's tokenizer.model to append pieces to (vocab_extend)
+    add_pieces: int | None = None  # how many, with extend_tokenizer
     mix: dict[str, float] | None = None
     val_fraction: float = DEFAULT_VAL_FRACTION
     seed: int = 0
@@ -99,6 +101,11 @@ class Options:
             raise PrepareError(f"--balance-range must be LO,HI with 0 < LO <= 1 <= HI, got {lo},{hi}")
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
             raise PrepareError(f"--shard-index must be in [0, --num-shards), got {self.shard_index} of {self.num_shards}")
+        if (self.extend_tokenizer is None) != (self.add_pieces is None):
+            raise PrepareError("--extend-tokenizer BASE and --add-pieces N go together")
+        if self.extend_tokenizer is not None and (self.tokenizer is not None or self.vocab_size is not None):
+            raise PrepareError("--extend-tokenizer sets the tokenizer (the base's pieces + --add-pieces): "
+                               f"drop --{'tokenizer' if self.tokenizer is not None else 'vocab-size'}")
         if self.num_shards > 1 and self.tokenizer is None:
             raise PrepareError("--num-shards needs --tokenizer FILE: every shard must encode with the same "
                                "tokenizer (train it first with one ordinary prepare run)")

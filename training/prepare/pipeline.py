@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from training import layout
+from training import layout, vocab_extend
 from training.fertility import fertility_gates, fertility_report, format_table, plot_report
 from training.gates import GateReport
 from training.prepare.clean import CleanResult, clean_pass, validate_files
@@ -81,17 +81,47 @@ def _given_tokenizer(opt: Options) -> Tokenizer | None:
     return tok
 
 
-def _tokenizer(cr: CleanResult, opt: Options, keep: dict | None, given: Tokenizer | None) -> Tokenizer:
+def _extension_base(opt: Options) -> bytes | None:
+    """--extend-tokenizer's base model, read and checked before any work."""
+    if opt.extend_tokenizer is None:
+        return None
+    try:
+        return vocab_extend.read_base(opt.extend_tokenizer)
+    except vocab_extend.ExtendError as e:
+        raise PrepareError(str(e)) from None
+
+
+def _tokenizer(cr: CleanResult, opt: Options, keep: dict | None, given: Tokenizer | None,
+               base: bytes | None = None) -> Tokenizer:
     if given is not None:
         return given
     sentences = sample_sentences(cr, opt, keep)
     if not sentences:
         raise PrepareError("no training sentences to train the tokenizer on")
     try:
+        if base is not None:  # the base's pieces at their ids, then prodip's specials and the new pieces
+            tok, added = vocab_extend.extended_tokenizer(base, sentences, opt.add_pieces, seed=opt.seed,
+                                                         num_threads=opt.workers)
+            if opt.echo:
+                print(f"--extend-tokenizer {opt.extend_tokenizer}: {added} new pieces appended "
+                      f"({tok.vocab_size} in all; --add-pieces {opt.add_pieces})")
+            return tok
         return train_tokenizer(sentences, opt.vocab_size or DEFAULT_VOCAB_SIZE, seed=opt.seed, num_threads=opt.workers)
+    except (vocab_extend.ExtendError, TokenizerError) as e:
+        raise PrepareError(str(e)) from None
     except RuntimeError as e:  # SentencePiece: e.g. vocab_size too large for the text
         msg = str(e).strip().splitlines()[-1]
         raise PrepareError(f"tokenizer training failed: {msg.split('] ', 1)[-1]}") from None
+
+
+def _base_fertility(cr: CleanResult, opt: Options, keep: dict | None, base: bytes | None) -> dict | None:
+    if base is None:
+        return None
+    eval_docs = [d for d in cr.eval_sample.docs() if mix_kept(d, keep, opt.seed) is not None]
+    report = fertility_report(vocab_extend.BaseTokenizer(base), eval_docs, target_char_share=opt.mix)
+    if opt.echo:
+        print(f"before extension ({opt.extend_tokenizer}):\n{format_table(report)}")
+    return report
 
 
 def _gates(tok: Tokenizer, cr: CleanResult, opt: Options, keep: dict | None) -> tuple[dict, GateReport]:
@@ -121,6 +151,7 @@ def prepare(inputs: list, out: Path, **options) -> dict:
     cfg = load_config(opt.quality)
     sources = resolve_sources(inputs)
     given = _given_tokenizer(opt)
+    base = _extension_base(opt)
     eval_paths = resolve_eval_paths(opt.decontaminate, shipped=opt.shipped_eval_sets)
     eval_index = (EvalIndex.build(eval_paths, cfg.decontam["ngram_words"], cfg.decontam["min_words"])
                   if eval_paths else None)
@@ -139,8 +170,9 @@ def prepare(inputs: list, out: Path, **options) -> dict:
         if n == 0:
             raise PrepareError(f"the {split} split is empty ({sum(n_kept.values())} documents kept); "
                                f"add text or change --val-fraction")
-    tok = _tokenizer(cr, opt, keep, given)
+    tok = _tokenizer(cr, opt, keep, given, base)
     report, greport = _gates(tok, cr, opt, keep)
+    before = _base_fertility(cr, opt, keep, base)
     sections = cleaning_sections(cr, opt, cfg, eval_index)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -159,6 +191,8 @@ def prepare(inputs: list, out: Path, **options) -> dict:
                 "gate_options": {"fertility_floor": opt.fertility_floor, "fertility_ratio": opt.fertility_ratio,
                                  "balance_range": list(opt.balance_range), "skip_gates": opt.skip_gates},
                 "splits": stats, **sections, "memory": plan.to_dict()}
+        if before is not None:  # the same held-out documents through the base tokenizer: before / after
+            full["fertility_before_extension"] = before
         if opt.num_shards > 1:
             full["shard"] = meta["shard"]
         _write_json(tmp / layout.DATA_REPORT, full)

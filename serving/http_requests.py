@@ -1,0 +1,178 @@
+"""What an OpenAI-style request body may say, checked before anything runs (serving.http's routes
+read bodies through here): the body is capped (413), max_tokens is capped (400), and every client
+mistake (invalid UTF-8 or JSON, a misspelt field, a bad sampling parameter) is a RequestError with a
+one-line message; sampling fields are checked against the schema types the CLI flags use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from serving.backend import (
+    MaxNewTokens,
+    RepetitionPenalty,
+    SamplingParams,
+    SamplingSeed,
+    ServingError,
+    Temperature,
+    TopK,
+    TopP,
+)
+from training.records import JSONBoundError, loads
+from training.schema import SchemaError, check, reject_unknown
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any context we serve
+DEFAULT_MAX_TOKENS_CAP = 2048
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 64
+# request-body fields: any other is refused with the nearest name, so a typo ("temprature") is not ignored
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
+                   "repeat_penalty", "seed", "stop", "stream")
+CHAT_FIELDS, COMPLETION_FIELDS = ("messages",), ("prompt",)
+IGNORED_FIELDS = ("model", "user", "stream_options", "metadata", "store")  # labels: they change no output
+NOOP_AT = {"n": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+           "logprobs": (None, False), "echo": (None, False), "best_of": (None, 1)}  # allowed only at these
+
+
+class RequestError(ServingError):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ServerConfig:
+    """The model name a server reports and the limits it holds every request to."""
+
+    model_id: str
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body is {declared} bytes; the limit is {limit}", 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(f"request body exceeds the {limit}-byte limit", 413)
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        obj = loads(text)  # the one bounded JSON reader: nesting depth, lone surrogates (training.records)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except JSONBoundError as e:
+        raise RequestError(f"request body: {e}") from None
+    if not isinstance(obj, dict):
+        raise RequestError("request body must be a JSON object")
+    return obj
+
+
+def _text(v: object, name: str) -> str:
+    if not isinstance(v, str):
+        raise RequestError(f"{name} must be a string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:  # JSON can smuggle lone surrogates ("\ud800") past the UTF-8 check
+        raise RequestError(f"{name} is not valid UTF-8 (lone surrogate)") from None
+    return v
+
+
+def _field(body: dict, key: str, type_: object, default: object) -> object:
+    """body[key] checked against the schema type shared with SamplingParams and the CLI flags."""
+    v = body.get(key)
+    if v is None:
+        return default
+    try:
+        return check(type_, v, key, strict=True)
+    except SchemaError as e:
+        raise RequestError(str(e)) from None
+
+
+def check_fields(body: dict, endpoint_fields: tuple[str, ...]) -> None:
+    """Refuse a misspelt or unsupported field (nearest name suggested) instead of ignoring it; OpenAI's
+    fields that change nothing here are accepted at their no-op value only."""
+    for key, noop in NOOP_AT.items():
+        if body.get(key) not in noop:
+            raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[-1])}")
+    try:
+        reject_unknown("field", body, (*endpoint_fields, *SAMPLING_FIELDS, *IGNORED_FIELDS, *NOOP_AT))
+    except SchemaError as e:
+        raise RequestError(str(e)) from None
+
+
+def sampling_from_body(body: dict, cap: int) -> SamplingParams:
+    """OpenAI fields plus llama.cpp-style extensions (top_k, repeat_penalty / repetition_penalty)."""
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _field(body, key, MaxNewTokens, min(DEFAULT_MAX_TOKENS, cap))
+    if not 1 <= max_tokens <= cap:
+        raise RequestError(f"{key} must be in [1, {cap}], got {max_tokens}")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (_text(stop, "stop"),)
+    elif isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS:
+        stops = tuple(_text(s, "stop") for s in stop)
+    else:
+        raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
+    rep_key = "repetition_penalty" if body.get("repetition_penalty") is not None else "repeat_penalty"
+    d = SamplingParams()
+    params = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_field(body, "temperature", Temperature, d.temperature),
+        top_k=_field(body, "top_k", TopK, d.top_k),
+        top_p=_field(body, "top_p", TopP, d.top_p),
+        repetition_penalty=_field(body, rep_key, RepetitionPenalty, d.repetition_penalty),
+        seed=_field(body, "seed", SamplingSeed, None),
+        stop=stops,
+    )
+    try:
+        return params.validate()
+    except ServingError as e:
+        raise RequestError(str(e)) from None
+
+
+def stream_flag(body: dict) -> bool:
+    s = body.get("stream", False)
+    if not isinstance(s, bool):
+        raise RequestError("stream must be true or false")
+    return s
+
+
+def chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RequestError(f"messages[{i}] must be an object")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(_text(p.get("text"), f"messages[{i}].content") for p in content)
+        out.append({"role": m.get("role"), "content": _text(content, f"messages[{i}].content")})
+    return out
+
+
+def completion_prompt(body: dict) -> str:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1:
+        p = p[0]
+    if not isinstance(p, str):
+        raise RequestError("prompt must be a string (or a list holding one string)")
+    return _text(p, "prompt")
+

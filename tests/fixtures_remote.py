@@ -1,0 +1,87 @@
+"""A real S3-compatible server for the remote-run tests (tests/test_remote.py): moto's server mode
+on 127.0.0.1, restartable on the same port (a store that goes down and comes back), with a hold: a
+PUT whose path contains `hold` waits in the server until released, then fails (a link that dies in
+the middle of an upload). Clients are real s3fs/botocore ones; no file system is mocked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+SECRET = "prodip-test-secret-never-printed"  # the tests look for it in every output and file
+REGION = "us-east-1"
+
+
+class S3Server:
+    """moto's WSGI app behind werkzeug's threaded server, on 127.0.0.1 (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.hold = ""  # a PUT whose path holds this string waits for `release`, then fails
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> S3Server:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+
+        def gated(environ, start_response):
+            if self.hold and environ.get("REQUEST_METHOD") == "PUT" and self.hold in environ.get("PATH_INFO", ""):
+                self.held.set()
+                self.release.wait(120)
+                start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [b"held and dropped by the test"]
+            return app(environ, start_response)
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self._server = make_server("127.0.0.1", self.port, gated, threaded=True, request_handler=MotoRequestHandler)
+        self.port = self._server.server_address[1]  # kept: a restart listens on the same port
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Down for real: the listening socket is closed, so a client's connect is refused."""
+        self.release.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join()
+            self._server = None
+        self.release.clear()
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables a user sets for an S3-compatible store (nothing from ~/.aws is read)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "prodip-test-key",
+                "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+    def fs(self):
+        """A real s3fs client of this server (the tests' own view of the store)."""
+        import s3fs
+
+        return s3fs.S3FileSystem(key="prodip-test-key", secret=SECRET, skip_instance_cache=True,
+                                 client_kwargs={"endpoint_url": self.endpoint})
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    server = S3Server().start()
+    yield server
+    server.stop()
