@@ -11,7 +11,6 @@ into an export folder that already holds one needs --force (which starts a new m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,10 +25,9 @@ from safetensors import safe_open
 from export import ExportError
 from export.names import TensorNameError, expected_names, lookup
 from training import checkpoint, layout
+from training.files import sha256_file
 from training.model import ModelConfig
 from training.tokenizer import Tokenizer
-
-HASH_CHUNK = 1 << 22
 
 
 def prodip_version() -> str:
@@ -103,14 +101,6 @@ def load_source(path: str | os.PathLike, step: int | None = None) -> Source:
     src = Source(ck.path, ck.config, ck.tokenizer, ck.state, layout.run_dir_of(ck.path), shapes)
     del ck
     return src
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def human_size(n: int) -> str:

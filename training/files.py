@@ -8,6 +8,7 @@ UTF-8 refused by name before anything is read.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -61,3 +62,15 @@ def save_safetensors(tensors: Mapping, path: str | os.PathLike, metadata: dict[s
 
     save_file(dict(tensors), str(path), metadata=metadata)
     os.chmod(path, 0o666 & ~umask())
+
+
+HASH_CHUNK = 1 << 22  # bytes read at a time when hashing a file
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes, read in chunks (checkpoints and exports can be GBs)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from training import layout
+from training.files import sha256_file
 from training.schema import URL_SCHEME, URL_STORES
 
 COMMIT_SUFFIX = ".commit.json"
@@ -69,18 +70,17 @@ def split_url(url: str, flag: str = "--out") -> tuple[str, str]:
     return scheme, root
 
 
+def _url_key(url: str) -> str:
+    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
 def cache_dir(url: str) -> Path:
     """The default local cache of a run at `url`: ~/.cache/prodip/runs/<sha256 of the URL, 16 hex>."""
-    key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    return CACHE_ROOT.expanduser() / key
+    return CACHE_ROOT.expanduser() / _url_key(url)
 
 
 def file_digest(path: Path) -> dict[str, Any]:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _is_unreachable(e: BaseException) -> bool:
@@ -304,7 +304,7 @@ PULLED = ".prodip_pulled.json"  # a pulled data folder's record: every object's 
 
 def data_cache_dir(url: str) -> Path:
     """Where a --data URL is pulled: ~/.cache/prodip/data/<sha256 of the URL, 16 hex>."""
-    return CACHE_ROOT.expanduser().parent / "data" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    return CACHE_ROOT.expanduser().parent / "data" / _url_key(url)
 
 
 def _md5_ok(path: Path, etag: str) -> bool:
