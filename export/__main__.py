@@ -3,6 +3,8 @@
 Writes under RUN_DIR/export/ by default (hf/, onnx/, gguf/, manifest.json, README.md) and prints what
 it wrote, with sizes. Every export ends with a parity run against the PyTorch checkpoint (parity.json,
 parity.md, the card's table); the command exits 1 when a parity threshold is breached, 2 on bad input.
+RUN_DIR may be a run's store URL (s3://BUCKET/RUN): exported from its cache and, once parity passed,
+written back to URL/export/ (export.writeback).
 
 GGUF types: --f32 --f16 --q8 (Q8_0) --q4 (Q4_K_M) and --type NAME for any llama.cpp file type
 (default: F16, Q8_0 and Q4_K_M); --imatrix [TEXT] quantizes K/IQ types with llama.cpp's importance matrix. ONNX: fp32 always, plus --int8 / --int4;
@@ -16,6 +18,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from export import ExportError
 from export.manifest import (
@@ -30,6 +33,9 @@ from export.manifest import (
 from training import layout
 from training.cli import ArgumentParser, run_main
 from training.schema import NonNegInt, PositiveInt, flag
+
+if TYPE_CHECKING:
+    from training.remote import Remote
 
 COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity")
 DEFAULT_GGUF = ("F16", "Q8_0", "Q4_K_M")
@@ -51,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", choices=COMMANDS)
     p.add_argument("path", type=_path_or_url, metavar="RUN_DIR|CHECKPOINT_DIR",
                    help="a local folder, or a run's store URL (s3://BUCKET/PREFIX/RUN: its newest committed checkpoint "
-                        "is pulled into ~/.cache/prodip/runs/, exports are written there)")
+                        "is pulled into ~/.cache/prodip/runs/, exported there and, once parity passed, "
+                        "uploaded to URL/export/ (export.writeback); --out DIR: only to DIR)")
     p.add_argument("--out", type=Path, help="export folder (default RUN_DIR/export)")
     p.add_argument("--step", type=flag(NonNegInt), help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--force", action="store_true", help="overwrite existing exports")
+    p.add_argument("--force", action="store_true", help="overwrite existing exports (and a URL's URL/export/)")
     g = p.add_argument_group("gguf")
     g.add_argument("--f32", action="store_true")
     g.add_argument("--f16", action="store_true")
@@ -280,6 +287,32 @@ def check_threshold_kinds(manifest: Manifest, args: argparse.Namespace) -> None:
                               f"(it compares: {', '.join(sorted(kinds)) or 'nothing'}); nothing was written")
 
 
+def pull_url(args: argparse.Namespace) -> Remote | None:
+    """A store URL's newest committed checkpoint (or --step), pulled into its local cache (args.path set to
+    it); the run's Remote when the exports are to be written back next to it (the default export folder,
+    a command that writes exports), checked first: an export already there is refused without --force."""
+    from training.remote import pull_run
+
+    store = None
+    if args.out is None and args.command != "parity":
+        from export.writeback import open_run
+
+        store = open_run(args.path, args.force)
+    args.path = pull_run(args.path, args.step, lambda m: print(m, file=sys.stderr))
+    return store
+
+
+def write_back_verified(store: Remote, out: Path, src: Source, args: argparse.Namespace) -> None:
+    """Only exports that passed parity go back to the store: --no-parity keeps them local, and says so."""
+    if args.no_parity:
+        print(f"note: not uploaded to {store.url}: only exports that passed parity are written back "
+              f"(drop --no-parity); they are in {out}", file=sys.stderr)
+        return
+    from export.writeback import write_back
+
+    write_back(store, out, src.step or 0, lambda m: print(m))
+
+
 def run(args: argparse.Namespace) -> int:
     from export.card import write_card
     from export.parity import parse_thresholds, run_parity
@@ -287,10 +320,7 @@ def run(args: argparse.Namespace) -> int:
     check_options(args)
     thresholds = parse_thresholds(args.threshold)
     extra = read_texts(args.texts)
-    if isinstance(args.path, str):  # a store URL: the newest committed checkpoint, pulled into the local cache
-        from training.remote import pull_run
-
-        args.path = pull_run(args.path, args.step, lambda m: print(m, file=sys.stderr))
+    store = pull_url(args) if isinstance(args.path, str) else None
     src = load_source(args.path, args.step)
     check_gates(src)
     out = args.out or default_out_dir(src)
@@ -316,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
             why = "no backend was compared" if not report.results else "parity thresholds breached"
             print(f"error: {why} (see {layout.PARITY_MD})", file=sys.stderr)
     print(f"wrote {write_card(src, out, manifest)}")
+    if store is not None and passed:
+        write_back_verified(store, out, src, args)
     return 0 if passed else EXIT_PARITY
 
 

@@ -10,7 +10,8 @@ Each stage mirrors one of ours:
   virama, which NFC puts first; two Replace steps after NFC do that reordering. What stays different
   is text no one writes: U+09FE repeated or beside other above-marks (e.g. U+0301) before a
   nukta/virama, and combining marks of other scripts added after Unicode 9.
-- spaces: SentencePiece's whitespace escape " " -> "▁" (U+2581), no dummy prefix, as the normalizer's
+- spaces: SentencePiece's whitespace escape " " -> "▁" (U+2581), no dummy prefix (a tokenizer extended
+  from a Llama base keeps its own: a "▁" prepended, stripped again when decoding), as the normalizer's
   last step; the pre-tokenizer splits nothing (a Split on a string no text holds). Not `Metaspace`:
   ONNX Runtime GenAI's tokenizer (onnxruntime-extensions) reads a Metaspace model as Llama's and
   pre-splits it with Llama's regex, whose letter runs (\\p{L}+) end at every Bangla vowel sign and
@@ -41,9 +42,9 @@ SANDHI, VIRAMA = "\u09fe", "\u09cd"  # BENGALI SANDHI MARK (see the normalizer),
 NO_SPLIT = "\uffff"  # a Unicode noncharacter: never in text, so splitting on it splits nothing
 
 
-def normalizer(escape_spaces: bool = False) -> normalizers.Normalizer:
+def normalizer(escape_spaces: bool = False, dummy_prefix: bool = False) -> normalizers.Normalizer:
     """training.text.normalize as `tokenizers` steps, in the same order (then, with `escape_spaces`,
-    SentencePiece's " " -> "▁")."""
+    SentencePiece's " " -> "▁", and with `dummy_prefix` its leading "▁")."""
     return normalizers.Sequence([
         normalizers.Replace(BOM, ""),
         normalizers.Replace("\r\n", "\n"),
@@ -51,6 +52,7 @@ def normalizer(escape_spaces: bool = False) -> normalizers.Normalizer:
         normalizers.NFC(),
         *(normalizers.Replace(SANDHI + mark, mark + SANDHI) for mark in (NUKTA, VIRAMA)),
         *([normalizers.Replace(" ", SPACE)] if escape_spaces else []),
+        *([normalizers.Prepend(SPACE)] if dummy_prefix else []),
     ])
 
 
@@ -76,9 +78,13 @@ def build(tok: Tokenizer) -> HFTokenizer:
     vocab = {p.text: p.id for p in tok.pieces()}
     hf = HFTokenizer(BPE(vocab=vocab, merges=bpe_merges(tok), unk_token=UNK, fuse_unk=True, byte_fallback=True,
                          dropout=None))
-    hf.normalizer = normalizer(escape_spaces=True)
+    # a tokenizer extended from a Llama base (training.vocab_extend) keeps its dummy prefix: SentencePiece
+    # prepends "▁" to each text between special tokens, and decoding drops it again
+    dummy = bool(tok.trainer_spec()["add_dummy_prefix"])
+    hf.normalizer = normalizer(escape_spaces=True, dummy_prefix=dummy)
     hf.pre_tokenizer = pre_tokenizers.Split(NO_SPLIT, behavior="isolated")
-    hf.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    hf.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    *([decoders.Strip(" ", 1, 0)] if dummy else [])])
     hf.add_special_tokens([AddedToken(s, normalized=False, special=True)
                            for s in (UNK, BOS, EOS, PAD, *CHAT_SPECIALS)])
     hf.post_processor = processors.TemplateProcessing(

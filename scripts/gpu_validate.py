@@ -17,7 +17,10 @@ longer fits is recorded as skipped.
    never wraps around; --data uses a folder you prepared instead (e.g. your real 32k-vocab data).
 4. train: `training/train.py` on CUDA with the pre-flight gates ON (gradient flow, compiled vs eager,
    overfit one batch, throughput with its MFU floor and backward/forward ratio, data, tokenizer),
-   then a short run of the preset with bf16 autocast, torch.compile, fused AdamW and SDPA.
+   then a short run of the preset with bf16 autocast, torch.compile, fused AdamW and SDPA, and one
+   validation at its last step (eager blocks: no second graph).
+   Its stderr (with TORCH_LOGS=graph_breaks,recompiles) goes to DIR/run-*.stderr.log: the graph breaks
+   and recompiles dynamo logged are counted (both should be 0).
 5. measure: tokens/s, MFU both ways, peak memory (measured, and training.plan's estimate, the one
    `train.py --plan` prints), every gate's value against its threshold (compiled_vs_eager: the bf16
    relative errors against their tolerances), the backward/forward ratio, and the projected time and
@@ -67,6 +70,7 @@ BUDGET_S = 450  # the whole script, compiles included: 7.5 min, under the 8 min 
 EAGER_RESERVE_S = 45  # what the budget keeps for the phases after train.py: the eager probe ...
 PROBE_RESERVE_S = 30  # ... and each 1b memory probe (a 1b model built on the GPU, 3 steps)
 SDPA_REPS = 3  # timed forward+backward passes per forced SDPA backend
+EVAL_BATCHES = 4  # one validation, at the last step (after every timed step): the eval path runs on the GPU too
 
 
 def estimate_memory_gb(cfg, seq_len: int, batch: int, activation_checkpointing: bool) -> dict[str, float]:
@@ -112,21 +116,42 @@ def prepare_data(out: Path, need_tokens: int) -> Path:
     return data
 
 
-def run_train(cmd: list[str], timeout_s: int) -> int:
-    """train.py in its own process group: on timeout the group is stopped and what it logged is kept."""
-    p = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
-    try:
-        return p.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        print(f"warning: train.py still running after {timeout_s} s; stopped (figures from the steps logged)",
-              file=sys.stderr)
-        os.killpg(p.pid, signal.SIGTERM)
+COMPILE_LOGS = "graph_breaks,recompiles"  # TORCH_LOGS: dynamo logs each graph break and recompile of the run
+GRAPH_BREAK_LINE, RECOMPILE_LINE = "[__graph_breaks] Graph break", "[__recompiles] Recompiling function"
+
+
+def run_train(cmd: list[str], timeout_s: int, stderr_log: Path | None = None) -> int:
+    """train.py in its own process group: on timeout the group is stopped and what it logged is kept.
+    `stderr_log`: its stderr goes there, with dynamo's graph-break and recompile logs (compile_counts)."""
+    env = dict(os.environ)
+    if stderr_log is not None:
+        env["TORCH_LOGS"] = ",".join(x for x in (env.get("TORCH_LOGS", ""), COMPILE_LOGS) if x)
+        stderr_log.parent.mkdir(parents=True, exist_ok=True)
+    with open(stderr_log, "w") if stderr_log is not None else contextlib.nullcontext() as err:  # noqa: SIM115
+        p = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, env=env, stderr=err)
         try:
-            p.wait(timeout=30)
+            rc = p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        return 124
+            print(f"warning: train.py still running after {timeout_s} s; stopped (figures from the steps logged)",
+                  file=sys.stderr)
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            rc = 124
+    if rc and stderr_log is not None:  # its error, where a person looks
+        print("".join(stderr_log.read_text(errors="replace").splitlines(True)[-20:]), file=sys.stderr)
+    return rc
+
+
+def compile_counts(stderr_log: Path) -> dict:
+    """Graph breaks and recompiles dynamo logged in the timed run (TORCH_LOGS, see run_train): both
+    should be 0 (one graph per block, shared by all blocks; validation runs eagerly)."""
+    text = stderr_log.read_text(errors="replace") if stderr_log.is_file() else ""
+    return {"graph_breaks": text.count(GRAPH_BREAK_LINE), "recompiles": text.count(RECOMPILE_LINE),
+            "compile_log": str(stderr_log)}
 
 
 def trainer_step(cfg, preset_name: str, seq_len: int, batch: int, device: str, **train):
@@ -425,7 +450,8 @@ def run_phases(a: argparse.Namespace, rep: Results) -> int:
     run = a.out / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = [sys.executable, str(ROOT / "training/train.py"), "--preset", a.preset, "--data", str(data), "--out", str(run),
            "--max-steps", str(a.steps), "--batch-size", str(a.batch_size), "--grad-accum", str(a.grad_accum),
-           "--seq-len", str(a.seq_len), "--lr", "1e-3", "--warmup-steps", "5", "--eval-every", "0",
+           "--seq-len", str(a.seq_len), "--lr", "1e-3", "--warmup-steps", "5", "--eval-every", str(a.steps),
+           "--eval-batches", str(EVAL_BATCHES),
            "--save-every", "0", "--log-every", "5", "--device", a.device, "--gpu-hourly-usd", str(a.hourly_usd)]
     cmd += [] if a.no_compile else ["--compile"]
     cmd += ["--activation-checkpointing"] if a.activation_checkpointing else []
@@ -436,8 +462,9 @@ def run_phases(a: argparse.Namespace, rep: Results) -> int:
     with rep.phase("train") as res:
         t0 = time.time()
         res["train_timeout_s"] = timeout
-        rc = run_train(cmd, timeout)
-        res.update({"run_dir": str(run), "train_exit_code": rc, "train_wall_s": round(time.time() - t0, 1)})
+        rc = run_train(cmd, timeout, stderr_log=a.out / f"{run.name}.stderr.log")
+        res.update({"run_dir": str(run), "train_exit_code": rc, "train_wall_s": round(time.time() - t0, 1),
+                    **compile_counts(a.out / f"{run.name}.stderr.log")})
     if rc:
         rep.data["phases"][-1]["status"] = "timed out" if rc == 124 else f"exit code {rc}"
         rep.save()
@@ -503,6 +530,7 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
         "params_preset": count_params(full), "seq_len": a.seq_len, "micro_batch": a.batch_size,
         "grad_accum": a.grad_accum, "compile": not a.no_compile, "activation_checkpointing": a.activation_checkpointing,
         "steps_logged": len(recs), "gates_passed": gates.get("passed"), "gates_failed": gates.get("failed"),
+        "val_loss": next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), None),
         "tokens_per_s": round(tps) if measured else None,
         "flops_per_token": flops["mfu"], "flops_per_token_6ltd": flops["mfu_6ltd"],
         **mfu,

@@ -2,7 +2,9 @@
 # Create ./.venv and install prodip with everything it needs. Idempotent: a second run is quick.
 #   scripts/setup.sh          runtime (train, export, serve, demo)
 #   scripts/setup.sh --dev    + test tools (pytest, ruff, transformers, playwright, Debian chromium and
-#                      fonts-noto-core: a Bengali font, so the browser test sees Bangla, not boxes)
+#                      fonts-noto-core: a Bengali font, so the browser test sees Bangla, not boxes), and
+#                      SkyPilot (pinned) in its own venv, PRODIP_SKYPILOT_VENV (default
+#                      ~/.cache/prodip/skypilot-venv): tests/test_skypilot.py validates deploy/skypilot/ with it
 #   scripts/setup.sh --llama-tools  + llama.cpp's own programs (llama-cli, -server, -bench, -perplexity,
 #                      -imatrix, -quantize), built once from the same pinned source with the same flags
 # Environment knobs:
@@ -29,6 +31,8 @@ TORCH=${PRODIP_TORCH:-torch==2.13.0}
 LLAMA_VERSION=0.3.36
 LLAMA_CMAKE=${PRODIP_LLAMA_CMAKE:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}
 WHEELS=${PRODIP_WHEEL_CACHE:-$HOME/.cache/prodip/wheels}
+SKYPILOT_VERSION=0.14.1  # tests/test_skypilot.py checks the venv holds exactly this one
+SKY_VENV=${PRODIP_SKYPILOT_VENV:-$HOME/.cache/prodip/skypilot-venv}
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -71,6 +75,13 @@ if [ "$DEV" = 1 ]; then
     else
       log "${need[*]} not installed and not root: the browser test will skip (no chromium) or fail (no Bengali font)"
     fi
+  fi
+  # SkyPilot in a venv of its own: installing it into .venv would downgrade uvicorn and click, which
+  # serving and the demo need. Installed once (~2 min, ~460 MB), checked by version on every run.
+  if ! "$SKY_VENV/bin/python" -c "import sky, sys; sys.exit(sky.__version__ != '$SKYPILOT_VERSION')" 2>/dev/null; then
+    log "installing skypilot==$SKYPILOT_VERSION into $SKY_VENV (its own venv; a few minutes, once)"
+    python3 -m venv --clear "$SKY_VENV"
+    "$SKY_VENV/bin/python" -m pip install --disable-pip-version-check -q "skypilot==$SKYPILOT_VERSION"
   fi
 else
   "${PIP[@]}" -e .

@@ -2,9 +2,11 @@
 
 Without --prompt or --http: an interactive streaming chat in the terminal (/reset starts over,
 /quit or Ctrl-D leaves). MODEL is a .gguf file, an .onnx file (or its folder) or a training run /
-checkpoint folder. A base model (pretrained, not chat-tuned, as its run files or GGUF metadata say)
-completes text instead of chatting, and says so; --chat applies the chat template anyway, --raw
-completes text with any model. With --http every request carries its own sampling fields: the
+checkpoint folder, or a file of a run's export written back to a store (s3://BUCKET/RUN/export/gguf/
+NAME.gguf: pulled into the run's cache, sha256 checked, training.remote.pull_export). A base model
+(pretrained, not chat-tuned, as its run files or GGUF metadata say) completes text instead of
+chatting, and says so; --chat applies the chat template anyway, --raw completes text with any
+model. With --http every request carries its own sampling fields: the
 terminal-only flags (sampling, --system, --raw, --chat, --stats) are refused by name.
 """
 
@@ -32,6 +34,7 @@ from serving.http import ServerConfig, bound_port, parse_bind, reserve_socket, s
 from serving.http_requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP
 from serving.text_stream import TextStream
 from training.cli import ArgumentParser, run_main
+from training.remote import is_url, pull_export
 from training.schema import PositiveInt, flag
 
 PROMPT_MARK = ">>> "
@@ -46,7 +49,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m serving", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help=".gguf file, .onnx file/folder, or a run/checkpoint folder")
+    ap.add_argument("model", help=".gguf file, .onnx file/folder, or a run/checkpoint folder; or a file of a run's "
+                    "written-back export, s3://BUCKET/RUN/export/gguf/NAME.gguf (pulled, sha256 checked)")
     ap.add_argument("--backend", type=backend_name, metavar="BACKEND",
                     help=f"force a runtime: {', '.join(RUNTIMES)} (default: from the file)")
     mode = ap.add_mutually_exclusive_group()
@@ -170,6 +174,8 @@ def run(args: argparse.Namespace) -> None:
     if args.http:
         check_http_flags(args)
     params = sampling(args)
+    if is_url(args.model):  # a file of a run's written-back export: pulled into the run's cache, sha256 checked
+        args.model = str(pull_export(args.model, lambda m: print(m, file=sys.stderr)))
     # the port is taken before the model loads (minutes, for a big one) and before anything is announced
     bind = parse_bind(args.http) if args.http else None
     sock = reserve_socket(*bind) if bind else None

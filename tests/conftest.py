@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Each fixture module once, for every test module (see the docstring); registered here, before any test
 # module imports it, so pytest rewrites its asserts. fixtures_evaluate serves test_evaluate alone.
 pytest_plugins = ("fixtures_export", "fixtures_reliability", "fixtures_foreign_gguf", "fixtures_serve",
-                  "fixtures_onnx", "fixtures_gates", "fixtures_remote")
+                  "fixtures_onnx", "fixtures_gates", "fixtures_remote", "fixtures_init_from")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

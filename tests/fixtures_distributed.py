@@ -2,7 +2,7 @@
 
 `torchrun … tests/fixtures_distributed.py ARGS`: train.main with a defect on rank 1 only.
 
-Rank 1's Trainer builds every optimizer after its training one over stale parameter copies, so its
+Rank 1 builds every optimizer after its training one over stale parameter copies, so its
 overfit-one-batch gate (which steps the live DDP model with a fresh optimizer from the run's factory,
 each rank judging its own batch's loss) fails while rank 0's passes: the gate verdicts differ between
 ranks, both ranks step the gate's collectives alike until the budget ends, and both must stop together.
@@ -10,6 +10,9 @@ ranks, both ranks step the gate's collectives alike until the budget ends, and b
 `torchrun … tests/fixtures_distributed.py rank0_reads ARGS`: train.main where every rank but 0 fails
 if it reads a checkpoint's tensors in full (safetensors' load_file): a resume must broadcast them
 from rank 0 instead of loading the whole state into every rank's memory.
+
+`torchrun … tests/fixtures_distributed.py compile_counters ARGS`: train.main, then one JSON line per rank
+with dynamo's counters (graphs, frames, graph breaks), also as they stood when each validation started.
 
 `torchrun … tests/fixtures_distributed.py fused_adamw`: the fused AdamW kernel (what train.py uses on
 CUDA) stepping FSDP2's DTensor parameters agrees with the unfused one; prints one JSON line per rank.
@@ -29,24 +32,30 @@ for p in (str(HERE.parent), str(HERE)):
 import gates_plants as P  # noqa: E402
 
 import training.train as T  # noqa: E402
-from training.trainer import Trainer  # noqa: E402
+from training import optim  # noqa: E402
 
 FAULTY_RANK = 1
 
 
-class FaultyOptimizers(Trainer):
-    """Every optimizer after the training one (the overfit gate's) steps stale parameter copies."""
+def plant_faulty_optimizers() -> None:
+    """Every optimizer after the training one (the overfit gate's) steps stale parameter copies: the
+    plant replaces training.optim.make_optimizer, the one factory the Trainer builds optimizers with."""
+    real, built = optim.make_optimizer, []
 
-    def new_optimizer(self, module):
-        self._built = getattr(self, "_built", 0) + 1
-        if self._built == 1:  # the first one is the training optimizer: left intact
-            return super().new_optimizer(module)
-        return P.stale_optimizer(super().new_optimizer)(module)
+    def make(module, cfg, device):
+        built.append(module)
+        if len(built) == 1:  # the first one is the training optimizer: left intact
+            return real(module, cfg, device)
+        return P.stale_optimizer(lambda m: real(m, cfg, device))(module)
+
+    optim.make_optimizer = make
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["fused_adamw"]:
         return fused_adamw_on_dtensors()
+    if argv[:1] == ["compile_counters"]:
+        return compile_counters(argv[1:])
     if argv[:1] == ["rank0_reads"]:
         if int(os.environ.get("RANK", "0")) != 0:
             from training import checkpoint
@@ -57,8 +66,33 @@ def main(argv: list[str]) -> int:
             checkpoint.load_file = refuse  # what checkpoint.load and optimizer_and_rng read full files with
         return T.main(argv[1:])
     if int(os.environ.get("RANK", "0")) == FAULTY_RANK:
-        T.Trainer = FaultyOptimizers  # train.train() builds the Trainer it finds in training.train
+        plant_faulty_optimizers()
     return T.main(argv)
+
+
+def compile_counters(argv: list[str]) -> int:
+    """train.main(argv) under --compile, then what dynamo compiled on this rank (#27 item 1)."""
+    import json
+
+    from torch._dynamo.utils import counters
+
+    from training.loop.validator import Validator
+
+    at_validation: list[list[int]] = []
+    validate = Validator.validate
+
+    def counted(self):
+        at_validation.append([counters["stats"]["unique_graphs"], counters["frames"]["ok"]])
+        return validate(self)
+
+    Validator.validate = counted
+    rc = T.main(argv)
+    row = json.dumps({"rank": int(os.environ.get("RANK", "0")), "rc": rc,
+                      "unique_graphs": counters["stats"]["unique_graphs"], "frames_ok": counters["frames"]["ok"],
+                      "graph_breaks": dict(counters["graph_break"]), "at_validation": at_validation})
+    sys.stdout.write(row + "\n")  # one write per line: two ranks share the pipe
+    sys.stdout.flush()
+    return rc
 
 
 def fused_adamw_on_dtensors(steps: int = 3) -> int:

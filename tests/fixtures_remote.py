@@ -9,11 +9,14 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from fixtures_reliability import child_env, train_argv
 
 SECRET = "prodip-test-secret-never-printed"  # the tests look for it in every output and file
 REGION = "us-east-1"
+TIMEOUT_S = 300
 
 
 class S3Server:
@@ -85,3 +88,32 @@ def s3_server() -> Iterator[S3Server]:
     server = S3Server().start()
     yield server
     server.stop()
+
+
+# ------------------------------------------------------------------------------ the tests' helpers
+def remote_argv(data: Path, url: str, cache: Path, *extra: str, steps: int = 8, save_every: int = 2) -> list[str]:
+    """training/train.py's tiny test run, into the store URL `url` through the local cache `cache`."""
+    argv = train_argv(data, Path("placeholder"), "--cache", str(cache), *extra, steps=steps, save_every=save_every)
+    argv[argv.index("--out") + 1] = url
+    return argv
+
+
+def remote_env(server: S3Server, **more: str) -> dict[str, str]:
+    return {**child_env(), **server.env(), **more}
+
+
+def bucket(server: S3Server, name: str) -> str:
+    server.fs().mkdir(name)
+    return name
+
+
+def no_secret(*texts: str, roots: tuple[Path, ...] = (), fs=None, remote_root: str = "") -> None:
+    """The secret key is in no output, no file under `roots`, no object under `remote_root`."""
+    for t in texts:
+        assert SECRET not in t
+    for root in roots:
+        for p in root.rglob("*"):
+            assert not p.is_file() or SECRET.encode() not in p.read_bytes(), p
+    if fs is not None:
+        for key in fs.find(remote_root):
+            assert SECRET.encode() not in fs.cat_file(key), key

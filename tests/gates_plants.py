@@ -128,6 +128,15 @@ def fused_ffn(model, fn=ZeroGradSwiGLU, layer: int = 0) -> list[str]:
     return names + ([f"layers.{layer}.ffn_norm.weight"] if fn is ZeroGradSwiGLU else [])
 
 
+def zero_grad_ffn_when_recomputed(model, layer: int = 0) -> list[str]:
+    """A "fused" feed-forward that loses its gradient only on the activation-checkpointing path (as a
+    kernel may misbehave under recomputation): a run without --activation-checkpointing is healthy."""
+    ff = model.layers[layer].feed_forward
+    plain, broken = ff.forward, types.MethodType(_ffn_with(ZeroGradSwiGLU), ff)
+    ff.forward = lambda *a, **k: (broken if model.activation_checkpointing else plain)(*a, **k)
+    return [f"layers.{layer}.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")]
+
+
 def detach_attention(model, layer: int = 0) -> list[str]:
     """A branch detached from the graph: the attention output of one block (`.detach()` left in)."""
     blk = model.layers[layer]

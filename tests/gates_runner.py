@@ -2,14 +2,16 @@
 
     python tests/gates_runner.py PLANT [train.py arguments ...]
 
-PLANT: none | zero_grad_ffn | nan_loss_at:K | nan_loss_from:K | nan_grad_at:K | detach_from:K | spike_at:K.
+PLANT: none | zero_grad_ffn | zero_grad_ffn_under_ac | nan_loss_at:K | nan_loss_from:K | nan_grad_at:K | detach_from:K | spike_at:K.
 The plant is built into the model class train.py instantiates, so it lives in the exact object
-that trains; K counts training steps (pre-flight gates run at step 0).
+that trains; K counts training steps (pre-flight gates run at step 0). Under torchrun, `PLANT@R`
+plants it in rank R alone (the other ranks train a healthy model).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -22,12 +24,15 @@ import gates_plants as P  # noqa: E402
 
 import training.train as T  # noqa: E402
 
-PLANTS = ("none", "zero_grad_ffn", "nan_loss_at", "nan_loss_from", "nan_grad_at", "detach_from", "spike_at")
+PLANTS = ("none", "zero_grad_ffn", "zero_grad_ffn_under_ac", "nan_loss_at", "nan_loss_from", "nan_grad_at", "detach_from", "spike_at")
 SPIKE_FACTOR = 10.0  # a bad batch: loss x10
 
 
 @contextlib.contextmanager
 def planted(spec: str):
+    spec, _, only_rank = spec.partition("@")
+    if only_rank and int(os.environ.get("RANK", "0")) != int(only_rank):
+        spec = "none"
     kind, _, arg = spec.partition(":")
     if kind not in PLANTS:
         raise SystemExit(f"unknown plant {spec!r}; choose from {PLANTS}")
@@ -43,6 +48,8 @@ def planted(spec: str):
             super().__init__(cfg)
             if kind == "zero_grad_ffn":
                 P.fused_ffn(self, P.ZeroGradSwiGLU, layer=0)
+            elif kind == "zero_grad_ffn_under_ac":
+                P.zero_grad_ffn_when_recomputed(self, layer=0)
             elif kind == "nan_grad_at":
                 P.NaNGradAtStep.at = k
                 P.fused_ffn(self, P.NaNGradAtStep, layer=1)

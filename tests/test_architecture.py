@@ -378,3 +378,32 @@ def test_size_checker_on_a_planted_tree(tmp_path: Path) -> None:
     })
     assert oversized(tmp_path, ("pkg",)) == [f"pkg/funcs.py::long ({MAX_FUNCTION_LINES + 1} lines)",
                                               f"pkg/long.py ({MAX_MODULE_LINES + 1} lines)"]
+
+
+TRAINER_LIMITS = {"lines": 250, "attributes": 15, "train_loop": 35}  # [trainer]: a thin Trainer wiring components
+
+
+def trainer_shape(path: Path) -> dict[str, int]:
+    """The Trainer class's size: its module's lines, the distinct `self.x = …` attributes it assigns,
+    and train_loop's lines."""
+    src = path.read_text(encoding="utf-8")
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    attrs = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+             and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    loop = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "train_loop")
+    return {"lines": len(src.splitlines()), "attributes": len(attrs), "train_loop": loop.end_lineno - loop.lineno + 1}
+
+
+def test_the_trainer_stays_thin() -> None:
+    """Every new concern lands in a component of training/loop, not in the Trainer (issue [trainer])."""
+    shape = trainer_shape(REPO / "training" / "trainer.py")
+    over = {k: f"{v} > {TRAINER_LIMITS[k]}" for k, v in shape.items() if v > TRAINER_LIMITS[k]}
+    assert not over, f"training/trainer.py grew: {over}; move the new concern into a training/loop component"
+
+
+def test_trainer_shape_counts_attributes_assigned_anywhere(tmp_path: Path) -> None:
+    body = ("class Trainer:\n    def __init__(self):\n        self.a = 1\n        self.b: int = 2\n"
+            "    def train_loop(self):\n        self.c, x = 3, 4\n        self.a += 1\n        self.d += 1\n")
+    (tmp_path / "t.py").write_text(body)
+    # annotated, tuple (`self.c, x = …`) and augmented (`self.d += 1`) targets all count; `a` once
+    assert trainer_shape(tmp_path / "t.py") == {"lines": 8, "attributes": 4, "train_loop": 4}

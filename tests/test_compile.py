@@ -1,7 +1,7 @@
 """`train.py --compile` on CPU, end to end (#32 item 5): Inductor compiles the exact object that trains,
 the compiled-vs-eager gate passes on it, the per-step losses follow eager's within the gate's fp32
 tolerance, the checkpoint holds the model's own names (no `_orig_mod.` prefix from the compile wrapper),
-and a resumed compiled run continues bit-exactly."""
+and a resumed compiled run continues bit-exactly. Validation compiles nothing mid-run (#27 item 2)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,27 @@ def test_compiled_training_matches_eager_saves_plain_names_and_resumes_exactly(g
     assert _train(resumed, gate_data, "--compile", "--stop-at", "3") == 0
     assert _train(resumed, gate_data, "--compile") == 0
     assert _losses(resumed) == got
+
+
+def test_validation_compiles_no_second_graph(gate_data, tmp_path, monkeypatch):
+    """#27 item 2: the blocks are compiled once, during the gates, for training's shape and grad mode;
+    validation (no_grad, eval mode) runs their eager code, so no compile happens after the gates: none
+    at the first validation (step 2), none at the later ones. Counted by dynamo's own counters."""
+    from training.loop.validator import Validator
+
+    seen: list[tuple[int, int]] = []  # (graphs, frames) when each validation starts and ends
+    validate = Validator.validate
+
+    def counted(self):
+        seen.append((counters["stats"]["unique_graphs"], counters["frames"]["ok"]))
+        out = validate(self)
+        seen.append((counters["stats"]["unique_graphs"], counters["frames"]["ok"]))
+        return out
+
+    monkeypatch.setattr(Validator, "validate", counted)
+    assert _train(tmp_path / "run", gate_data, "--compile", "--eval-every", "2", "--eval-batches", "2") == 0
+    end = (counters["stats"]["unique_graphs"], counters["frames"]["ok"])
+    assert len(seen) == 2 * 3 and seen[0][0] >= 1, seen  # validations at steps 2, 4, 6
+    assert set(seen) == {end}, (seen, end)  # nothing compiled from the first validation on
+    assert end[0] == 1, end  # one graph: every block shares it (parameters are its inputs)
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -47,7 +47,8 @@ def train_dist(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def steps(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    """log.jsonl's step records (event records, such as each checkpoint's timings, left out)."""
+    return [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "event" not in r]
 
 
 def assert_same_curve(a: list[dict], b: list[dict], tol: float = FP32_TOL) -> None:
@@ -106,6 +107,34 @@ def test_ddp_kill_and_resume_continues_the_same_curve(bn_data: Path, single: Pat
     p = train_dist(*args)
     assert "resumed from" in p.stdout
     assert_same_curve(steps(single), steps(tmp_path / "ddp"))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_compiled_blocks_survive_wrapping(bn_data: Path, single: Path, tmp_path: Path, mode: str) -> None:
+    """#27 item 1: --compile compiles each block before DDP/FSDP2 wrapping. On every rank dynamo breaks no
+    graph, compiles one graph (all blocks share it), and compiles nothing once training started (the two
+    validations run the eager code); the losses follow the eager single process within the compile gate's
+    fp32 tolerance."""
+    from training.gates.model import TOLERANCE
+
+    out = tmp_path / mode
+    fsdp = ["--fsdp"] if mode == "fsdp" else []
+    p = torchrun(REPO / "tests" / "fixtures_distributed.py", "compile_counters", *COMMON, "--data", str(bn_data),
+                 "--out", str(out), "--batch-size", "4", "--compile", *fsdp)
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in rows) == [0, 1], p.stdout[-2000:]
+    for r in rows:
+        assert r["rc"] == 0 and not r["graph_breaks"], r
+        assert r["unique_graphs"] == 1 and r["at_validation"] == [[1, r["frames_ok"]]] * 2, r
+    gates = {g["name"]: g for g in json.loads((out / "gates.json").read_text())["results"]}
+    assert gates["compiled_vs_eager"]["passed"] and "torch.compile" in gates["compiled_vs_eager"]["detail"]
+    want, got = steps(single), steps(out)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    rtol = TOLERANCE["fp32"][0]
+    for x, y in zip(got, want):
+        for key in ("loss", "val_loss"):
+            assert (key in x) == (key in y) and abs(x.get(key, 0) - y.get(key, 0)) <= rtol * abs(y.get(key, 0)), (x, y)
+    assert set(ckpt.load(out).weights) == set(ckpt.load(single).weights)  # no _orig_mod. names
 
 
 def _gloo_unsupported(stderr: str) -> str | None:

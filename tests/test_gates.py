@@ -28,6 +28,7 @@ Defect classes planted (one or more tests each):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -532,3 +533,45 @@ def test_real_torch_compile_matches_eager_under_bf16(gate_data):
     r = compiled_vs_eager(ctx)
     assert r.passed, r.detail
     assert "torch.compile" in r.detail and "bf16 tolerance" in r.detail
+
+
+def _files(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_that_changes_the_setting_runs_the_gates_again(tmp_path, gate_data, capsys):
+    """The gates judge the object that trains: a resume with activation checkpointing switched on trains
+    another object. A fused FFN that loses its gradient only when recomputed passes a run without it;
+    resumed with --activation-checkpointing the gradient-flow gate must stop the run, nothing written."""
+    run = tmp_path / "run"
+    assert _train("zero_grad_ffn_under_ac", run, gate_data, "--stop-at", "2", steps=4) == 0
+    before = _files(run)
+    capsys.readouterr()
+    assert _train("zero_grad_ffn_under_ac", run, gate_data, "--activation-checkpointing", steps=4) != 0
+    out = capsys.readouterr()
+    assert "(activation_checkpointing False -> True): running the pre-flight gates again" in out.out
+    assert "gradient_flow" in out.err + out.out
+    assert _files(run) == before  # the step-2 checkpoint, log and gates.json exactly as they were
+
+
+def test_gates_run_again_on_a_changed_resume_leave_no_trace(tmp_path, gate_data, capsys):
+    """Resumed twice — once as it started (no gates: their verdict holds), once with another setting
+    (gates again) — the run ends bit-identical to one that was never interrupted, and gates.json keeps
+    the first report under "previous"."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert _train("none", whole, gate_data, "--skip-gate", "throughput", steps=4) == 0
+    assert _train("none", parts, gate_data, "--skip-gate", "throughput", "--stop-at", "2", steps=4) == 0
+    first = (parts / "gates.json").read_bytes()
+    capsys.readouterr()
+    assert _train("none", parts, gate_data, "--skip-gate", "throughput", "--stop-at", "3", steps=4) == 0
+    assert "running the pre-flight gates again" not in capsys.readouterr().out
+    assert (parts / "gates.json").read_bytes() == first
+    assert _train("none", parts, gate_data, steps=4) == 0  # the throughput gate no longer skipped
+    assert "(skipped_by_user ['throughput'] -> []): running the pre-flight gates again" in capsys.readouterr().out
+    report = json.loads((parts / "gates.json").read_text())
+    assert report["passed"] and report["setting"]["resumed_at_step"] == 3
+    assert [p["setting"]["skipped_by_user"] for p in report["previous"]] == [["throughput"]]
+    assert "throughput.mfu" in {r["name"] for r in report["results"]}
+    a, b = (load_file(r / "checkpoints" / "step_0000004" / "model.safetensors") for r in (whole, parts))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -1,10 +1,14 @@
 """scripts/gpu_validate.py on CPU: its flags, its results written after every phase (so a GPU run
-stopped by a time limit keeps what finished), its SDPA probe, and a dry run end to end."""
+stopped by a time limit keeps what finished), its SDPA probe, and a dry run end to end; and
+scripts/gpu_check.sh, the one command that wraps it on a fresh GPU machine, dry-run on CPU."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,7 +123,55 @@ def test_dry_run_on_cpu_trains_and_reports_the_gates(bn_data: Path, tmp_path: Pa
     assert rc == 0, data
     r = data["results"]
     assert r["train_exit_code"] == 0 and r["steps_logged"] == 10 and r["tokens_per_s"] > 0
+    assert r["val_loss"] > 0  # one validation, at the last step
     gates = {g["name"]: g for g in r["gates"]}
     assert gates["compiled_vs_eager"]["passed"] is True
     assert gates["compiled_vs_eager"]["threshold"].startswith("rel. L2 error <=")
     assert 0 <= gates["compiled_vs_eager"]["value"] < 1
+    assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and Path(r["compile_log"]).is_file()
+
+
+def test_graph_breaks_and_recompiles_are_counted_from_dynamos_own_log(tmp_path: Path) -> None:
+    """Control for compile_counts: the lines TORCH_LOGS=graph_breaks,recompiles writes (torch 2.13's format)."""
+    log = tmp_path / "run.stderr.log"
+    log.write_text(
+        "V1203 07:40:32.521000 2485 torch/_dynamo/symbolic_convert.py:5124] [0/0] [__graph_breaks] Graph break in "
+        "user code at /tmp/x.py:5\n"
+        "V1203 07:40:50.444000 2485 torch/_dynamo/guards.py:5396] [0/1] [__recompiles] Recompiling function f in "
+        "/tmp/x.py:2\n"
+        "V1203 07:40:50.507000 2485 torch/_dynamo/symbolic_convert.py:5131] [0/1] [__graph_breaks] Graph break (user "
+        "stack suppressed due to duplicate graph break) in user code at /tmp/x.py:5\n")
+    assert gv.compile_counts(log) == {"graph_breaks": 2, "recompiles": 1, "compile_log": str(log)}
+    assert gv.compile_counts(tmp_path / "none")["graph_breaks"] == 0
+
+
+# ----------------------------------------------------------------------- scripts/gpu_check.sh
+def gpu_check(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *argv], capture_output=True, text=True,
+                          cwd=REPO, timeout=600, env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "2"})
+
+
+@pytest.mark.parametrize("argv, needle", [([], "--out DIR is required"), (["--out", "x", "--budget-s", "0"], "--budget-s"),
+                                          (["--out", "x", "--data", "/nonexistent"], "--data"),
+                                          (["--out", "x", "--bogus"], "unknown option --bogus")])
+def test_gpu_check_refuses_bad_flags_in_one_line(argv: list[str], needle: str, tmp_path: Path) -> None:
+    p = gpu_check(*[str(tmp_path / a) if a == "x" else a for a in argv])
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and needle in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
+
+
+def test_gpu_check_dry_run_on_cpu_writes_every_phase(bn_data: Path, tmp_path: Path) -> None:
+    """#27 item 8: the one command a fresh GPU box runs, dry-run on CPU: its needs found installed, then
+    gpu_validate.py's phases within the budget, JSON + Markdown in --out."""
+    out = tmp_path / "out"
+    p = gpu_check("--out", str(out), "--data", str(bn_data), "--dry-run", "--budget-s", "300")
+    data = read(out)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert data["complete"] is True and data["args"]["data"] == str(bn_data) and data["args"]["budget_s"] <= 300
+    assert [q["name"] for q in data["phases"]] == ["environment", "sdpa", "data", "train", "measure", "eager"]
+    assert all(q["status"] == "ok" for q in data["phases"]), data["phases"]
+    assert data["results"]["steps_logged"] == 4 and data["results"]["tokens_per_s"] > 0
+    assert data["results"]["graph_breaks"] == 0 and data["results"]["recompiles"] == 0
+    assert (out / gv.RESULTS_MD).is_file()
+    log = (out / "gpu_check.log").read_text()
+    assert "every pure-Python need is installed" in log and "scripts/gpu_validate.py" in log

@@ -168,3 +168,23 @@ def test_the_train_step_and_a_checkpoint_round_trip_restore_the_same_next_step(g
     assert all(torch.equal(v, step2.views.model.state_dict()[k]) for k, v in weights.items())
     with pytest.raises(TrainError, match="--max-steps 4 is below step 1"):  # a budget of 0 steps: below it
         cp2.find_latest(data2.tokenizer.sha256, 0)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_each_checkpoint_logs_its_stall_write_time_and_bytes(gate_data, tmp_path, mode):
+    """#27 item 7: one `checkpoint` event in log.jsonl per save, its bytes those of the files on disk."""
+    import gates_runner
+
+    run = tmp_path / "run"
+    model = sum((["--set", f"{k}={v}"] for k, v in SMALL.items()), [])
+    sync = ["--no-async-checkpoints"] if mode == "sync" else []
+    assert gates_runner.run("none", [
+        "--preset", "tiny", "--data", str(gate_data), "--out", str(run), "--max-steps", "5", "--batch-size", "2",
+        "--seq-len", "32", "--device", "cpu", "--eval-every", "0", "--save-every", "2", *model, *sync]) == 0
+    events = [r for r in map(json.loads, (run / layout.LOG).read_text().splitlines()) if r.get("event") == "checkpoint"]
+    on_disk = {int(c.name.split("_")[1]): sum(f.stat().st_size for f in c.iterdir())
+               for c in (run / layout.CHECKPOINTS).iterdir()}
+    assert sorted(on_disk) == [2, 4, 5] and [e["step"] for e in events] == [2, 4, 5]
+    for e in events:
+        assert e["bytes"] == on_disk[e["step"]] > 0, (e, on_disk)
+        assert e["stall_ms"] > 0 and e["write_s"] > 0 and e["wait_ms"] >= 0 and e["async"] == (mode == "async"), e

@@ -201,3 +201,13 @@ def test_gpu_presets_are_one_h100_recipes(name: str) -> None:
     step_s = tokens / (0.45 * PEAK_BF16_FLOPS["H100"] / flops_per_token(mc, r["seq_len"]))
     assert 10 <= r["eval_every"] * step_s / 60 <= 20 and 20 <= r["save_every"] * step_s / 60 <= 40
     assert r["warmup_steps"] * tokens <= 300e6  # warmup well inside a 2 B-token run
+
+
+def test_a_data_url_is_named_as_given_and_not_read(tmp_path: Path, capsys) -> None:
+    """--plan runs before credentials matter: a --data URL is named whole (not folded into a local path
+    `s3:/…`) and the vocabulary comes from the preset."""
+    argv = plan_argv(tmp_path)
+    argv[argv.index("--data") + 1] = "s3://my-bucket/data/bn32k"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "from preset 400m (s3://my-bucket/data/bn32k/meta.json not read)" in out

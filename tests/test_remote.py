@@ -14,7 +14,8 @@ through real s3fs clients, and runs training/train.py as a user does:
    non-zero, unless --allow-local-only.
 5. Bad input: an unknown scheme, a missing bucket, missing credentials, a URL holding another run or
    someone else's objects, s3fs not installed: one `error:` line each, nothing written anywhere.
-Credentials never appear in any output or in any file written locally or remotely.
+6. --data as a URL, for train.py and for SFT (training/remote_data.py): pulled once, checked, reused.
+Exports and serving from a URL: tests/test_remote_export.py. Credentials never appear in any output or in any file written locally or remotely.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import stop
-from fixtures_reliability import REPO, call_main, child_env, one_error, train_argv, tree_digest
-from fixtures_remote import SECRET
+from fixtures_reliability import REPO, SHRINK, call_main, child_env, one_error, train_argv, tree_digest
+from fixtures_remote import TIMEOUT_S, bucket, no_secret, remote_argv, remote_env
 from safetensors.torch import load_file
 
 from training import layout
@@ -39,25 +41,9 @@ from training.cli import EXIT_PREEMPTED
 pytest.importorskip("s3fs", reason="opt-in: pip install 'prodip[remote]' (s3fs) for the remote-run tests")
 pytest.importorskip("moto", reason="opt-in: pip install 'moto[server]' for the remote-run tests")
 
-TIMEOUT_S = 300
 POLL_S = 0.01
 STEPS, EVERY = 8, 2
 FAST_RETRY = {"PRODIP_MIRROR_BACKOFF_MAX_S": "0.5"}
-
-
-def _argv(data: Path, url: str, cache: Path, *extra: str, steps: int = STEPS, save_every: int = EVERY) -> list[str]:
-    argv = train_argv(data, Path("placeholder"), "--cache", str(cache), *extra, steps=steps, save_every=save_every)
-    argv[argv.index("--out") + 1] = url
-    return argv
-
-
-def _env(server, **more: str) -> dict[str, str]:
-    return {**child_env(), **server.env(), **more}
-
-
-def _bucket(server, name: str) -> str:
-    server.fs().mkdir(name)
-    return name
 
 
 def _curve(log: str) -> list[tuple[int, float, float]]:
@@ -72,17 +58,6 @@ def _committed(fs, root: str) -> list[int]:
         return []
     names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", refresh=True)]
     return sorted(int(n[5:12]) for n in names if n.endswith(".commit.json"))
-
-
-def _no_secret(*texts: str, roots: tuple[Path, ...] = (), fs=None, remote_root: str = "") -> None:
-    for t in texts:
-        assert SECRET not in t
-    for root in roots:
-        for p in root.rglob("*"):
-            assert not p.is_file() or SECRET.encode() not in p.read_bytes(), p
-    if fs is not None:
-        for key in fs.find(remote_root):
-            assert SECRET.encode() not in fs.cat_file(key), key
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +85,10 @@ def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def test_kill9_mid_upload_then_resume_on_an_empty_cache_is_bit_exact(bn_data, reference, s3_server, tmp_path):
-    fs, url = s3_server.fs(), f"s3://{_bucket(s3_server, 'kill9')}/runs/r1"
+    fs, url = s3_server.fs(), f"s3://{bucket(s3_server, 'kill9')}/runs/r1"
     s3_server.hold = "r1/checkpoints/step_0000006/optim.safetensors"  # config + weights up, this one in flight
     s3_server.held.clear()
-    p = _start(_argv(bn_data, url, tmp_path / "cache1"), tmp_path / "first.log", _env(s3_server))
+    p = _start(remote_argv(bn_data, url, tmp_path / "cache1"), tmp_path / "first.log", remote_env(s3_server))
     try:
         _wait(s3_server.held.is_set, p, "the upload of step 6")
         p.kill()  # SIGKILL, mid-upload
@@ -126,7 +101,7 @@ def test_kill9_mid_upload_then_resume_on_an_empty_cache_is_bit_exact(bn_data, re
     assert _committed(fs, "kill9/runs/r1") == [2, 4]
     assert fs.exists("kill9/runs/r1/checkpoints/step_0000006/model.safetensors")  # a partial upload is there
 
-    r = subprocess.run(_argv(bn_data, url, tmp_path / "cache2"), cwd=REPO, env=_env(s3_server),
+    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache2"), cwd=REPO, env=remote_env(s3_server),
                        capture_output=True, text=True, timeout=TIMEOUT_S)  # a new machine: an empty cache
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "checkpoints/step_0000006 is incomplete" in r.stdout and "ignored" in r.stdout, r.stdout
@@ -140,15 +115,15 @@ def test_kill9_mid_upload_then_resume_on_an_empty_cache_is_bit_exact(bn_data, re
     fs.get_file("kill9/runs/r1/checkpoints/step_0000008/model.safetensors", str(remote_w))
     a, b = load_file(str(remote_w)), load_file(str(reference / "checkpoints/step_0000008/model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "final weights differ"
-    _no_secret(r.stdout, r.stderr, (tmp_path / "first.log").read_text(), roots=(tmp_path / "cache2",), fs=fs,
+    no_secret(r.stdout, r.stderr, (tmp_path / "first.log").read_text(), roots=(tmp_path / "cache2",), fs=fs,
                remote_root="kill9")
 
 
 def test_sigterm_commits_the_checkpoint_before_exit_and_a_new_machine_resumes(bn_data, s3_server, tmp_path):
-    fs, url = s3_server.fs(), f"s3://{_bucket(s3_server, 'sigterm')}/run"
+    fs, url = s3_server.fs(), f"s3://{bucket(s3_server, 'sigterm')}/run"
     steps = 40
-    argv = _argv(bn_data, url, tmp_path / "cache1", steps=steps, save_every=0)  # only the signal's checkpoint
-    p = _start(argv, tmp_path / "first.log", _env(s3_server))
+    argv = remote_argv(bn_data, url, tmp_path / "cache1", steps=steps, save_every=0)  # only the signal's checkpoint
+    p = _start(argv, tmp_path / "first.log", remote_env(s3_server))
     try:
         log = tmp_path / "cache1" / layout.LOG
         _wait(lambda: log.is_file() and len(_curve(log.read_text())) >= 3, p, "3 steps")
@@ -161,16 +136,16 @@ def test_sigterm_commits_the_checkpoint_before_exit_and_a_new_machine_resumes(bn
     n = int(out.split("preempted at step ")[1].split()[0])
     assert 3 <= n < steps and "Traceback" not in out, out
     assert _committed(fs, "sigterm/run") == [n], out  # uploaded and committed before the process exited
-    r = subprocess.run(_argv(bn_data, url, tmp_path / "cache2", steps=n + 2, save_every=0), cwd=REPO,
-                       env=_env(s3_server), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache2", steps=n + 2, save_every=0), cwd=REPO,
+                       env=remote_env(s3_server), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"(step {n}," in r.stdout and _committed(fs, "sigterm/run") == [n, n + 2], r.stdout
 
 
 def test_a_server_that_stops_mid_run_is_retried_and_caught_up(bn_data, s3_server, tmp_path):
-    fs, url = s3_server.fs(), f"s3://{_bucket(s3_server, 'outage')}/run"
+    fs, url = s3_server.fs(), f"s3://{bucket(s3_server, 'outage')}/run"
     cache = tmp_path / "cache"
-    p = _start(_argv(bn_data, url, cache), tmp_path / "run.log", _env(s3_server, **FAST_RETRY))
+    p = _start(remote_argv(bn_data, url, cache), tmp_path / "run.log", remote_env(s3_server, **FAST_RETRY))
     try:
         _wait(lambda: 2 in _committed(fs, "outage/run"), p, "the first commit")
         s3_server.stop()
@@ -199,10 +174,10 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_a_store_unreachable_for_the_whole_run(allow, bn_data, s3_server, tmp_path):
-    env = _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_closed_port()}", PRODIP_MIRROR_FLUSH_S="1",
+    env = remote_env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_closed_port()}", PRODIP_MIRROR_FLUSH_S="1",
                **FAST_RETRY)
     extra = ("--allow-local-only",) if allow else ()
-    r = subprocess.run(_argv(bn_data, "s3://nowhere/run", tmp_path / "cache", *extra, steps=4), cwd=REPO, env=env,
+    r = subprocess.run(remote_argv(bn_data, "s3://nowhere/run", tmp_path / "cache", *extra, steps=4), cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert (tmp_path / "cache" / "checkpoints" / "step_0000004").is_dir()  # trained, locally
     assert "unreachable" in r.stdout.splitlines()[0], r.stdout  # said at the start, once
@@ -211,12 +186,12 @@ def test_a_store_unreachable_for_the_whole_run(allow, bn_data, s3_server, tmp_pa
     else:
         assert r.returncode != 0, r.stdout
         one_error(r.returncode, r.stdout, r.stderr, "unreachable for the whole run")
-    _no_secret(r.stdout, r.stderr, roots=(tmp_path / "cache",))
+    no_secret(r.stdout, r.stderr, roots=(tmp_path / "cache",))
 
 
 # ------------------------------------------------------------------------------------------ bad input
 def _argv_in_process(data: Path, url: str, cache: Path, *extra: str) -> list[str]:
-    return _argv(data, url, cache, *extra, steps=2)[2:]
+    return remote_argv(data, url, cache, *extra, steps=2)[2:]
 
 
 @pytest.fixture
@@ -259,8 +234,8 @@ def test_cache_without_a_url_is_refused(bn_data, tmp_path, capsys):
 
 
 def test_a_url_holding_another_run_or_foreign_objects_is_refused(bn_data, aws, tmp_path, capsys):
-    fs, url = aws.fs(), f"s3://{_bucket(aws, 'taken')}/run"
-    r = subprocess.run(_argv(bn_data, url, tmp_path / "first", steps=2), cwd=REPO, env=_env(aws),
+    fs, url = aws.fs(), f"s3://{bucket(aws, 'taken')}/run"
+    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "first", steps=2), cwd=REPO, env=remote_env(aws),
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     before = {k: fs.info(k)["ETag"] for k in fs.find("taken")}
@@ -276,45 +251,14 @@ def test_a_url_holding_another_run_or_foreign_objects_is_refused(bn_data, aws, t
     assert tree_digest(tmp_path / "first") == first
 
 
-def test_export_pulls_the_newest_committed_checkpoint_from_a_url(bn_data, s3_server, tmp_path):
-    """`python -m export gguf s3://BUCKET/RUN --q4`: the run's newest committed checkpoint is pulled into
-    the default cache (~/.cache/prodip/runs/<hash>, HOME here is the test's) and exported there."""
-    fs, url = s3_server.fs(), f"s3://{_bucket(s3_server, 'export')}/run"
-    r = subprocess.run(_argv(bn_data, url, tmp_path / "cache", steps=4), cwd=REPO, env=_env(s3_server),
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    fs.pipe_file("export/run/checkpoints/step_0000006/model.safetensors", b"a partial upload")  # no marker
-    home = tmp_path / "home"
-    env = _env(s3_server, HOME=str(home))
-    e = subprocess.run([sys.executable, "-m", "export", "gguf", url, "--q4", "--no-parity"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert e.returncode == 0, e.stdout[-3000:] + e.stderr[-3000:]
-    assert "step_0000006 is incomplete" in e.stderr and "pulled" in e.stderr, e.stderr
-    [cache] = (home / ".cache" / "prodip" / "runs").iterdir()
-    assert sorted(p.name for p in (cache / "checkpoints").iterdir()) == ["step_0000004"]
-    ggufs = list((cache / layout.EXPORT / layout.GGUF_DIR).glob("*Q4_K_M*.gguf"))
-    assert len(ggufs) == 1 and f"wrote {ggufs[0]}" in e.stdout, e.stdout
-    _no_secret(e.stdout, e.stderr, roots=(home,))
-
-
-def test_export_of_a_url_without_a_committed_checkpoint_is_refused(s3_server, tmp_path):
-    fs = s3_server.fs()
-    _bucket(s3_server, "exp-empty")
-    fs.pipe_file("exp-empty/run/checkpoints/step_0000002/model.safetensors", b"partial")
-    e = subprocess.run([sys.executable, "-m", "export", "gguf", "s3://exp-empty/run", "--q4"], cwd=REPO,
-                       env=_env(s3_server, HOME=str(tmp_path)), capture_output=True, text=True, timeout=TIMEOUT_S)
-    one_error(e.returncode, e.stdout, e.stderr, "holds no committed checkpoint")
-    assert not (tmp_path / ".cache").exists()  # nothing pulled, nothing written
-
-
 def test_data_as_a_url_is_pulled_once_checked_and_trains_the_same(bn_data, reference, s3_server, tmp_path):
     """--data s3://…: the prepared folder is pulled into ~/.cache/prodip/data/<hash> (sizes and the store's MD5
     checked), reused by the next run, pulled again when a cached file is damaged; the run equals one on the
     local folder bit for bit."""
     fs = s3_server.fs()
-    _bucket(s3_server, "datab")
+    bucket(s3_server, "datab")
     fs.put(str(bn_data), "datab/bn", recursive=True)
-    env = _env(s3_server, HOME=str(tmp_path / "home"))
+    env = remote_env(s3_server, HOME=str(tmp_path / "home"))
 
     def train(out: str) -> subprocess.CompletedProcess:
         argv = train_argv(bn_data, tmp_path / out, steps=STEPS, save_every=EVERY)
@@ -325,7 +269,7 @@ def test_data_as_a_url_is_pulled_once_checked_and_trains_the_same(bn_data, refer
         return r
 
     assert "pulled --data s3://datab/bn" in train("a").stdout
-    [cached] = (tmp_path / "home" / ".cache" / "prodip" / "data").iterdir()
+    [cached] = [p for p in (tmp_path / "home" / ".cache" / "prodip" / "data").iterdir() if p.is_dir()]  # + its .lock
     assert "pulled --data" not in train("b").stdout  # reused: nothing downloaded again
     shard = next((cached / "train").glob("shard_*.bin"))
     shard.write_bytes(shard.read_bytes()[:-7])  # a damaged cache
@@ -334,10 +278,86 @@ def test_data_as_a_url_is_pulled_once_checked_and_trains_the_same(bn_data, refer
 
 
 def test_a_data_url_that_holds_nothing_is_refused(bn_data, aws, tmp_path, capsys):
-    _bucket(aws, "data-empty")
+    bucket(aws, "data-empty")
     for url, words in (("s3://no-such-data/bn", "bucket 'no-such-data' does not exist"),
                        ("s3://data-empty/bn", "holds no files")):
         argv = train_argv(bn_data, tmp_path / "run", steps=2)[2:]
         argv[argv.index("--data") + 1] = url
         line = one_error(*call_main("training.train", argv, capsys), words)
         assert "--data" in line and not (tmp_path / "run").exists()
+
+
+def _chats(first: int, n: int) -> bytes:
+    recs = [{"messages": [{"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": f"{i + 1}"}]}
+            for i in range(first, first + n)]
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode()
+
+
+def test_sft_data_as_a_url_is_pulled_once_and_trains_the_same(reference, aws, tmp_path, monkeypatch, capsys):
+    """training/sft.py --data s3://…: a folder of conversation files, or one file, pulled into
+    ~/.cache/prodip/data/<hash> through the same path as train.py's --data (sizes and MD5 checked),
+    reused by the next run; the weights equal a run on the same files given locally."""
+    from training import checkpoint as ckpt
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    fs = aws.fs()
+    _bucket = bucket(aws, "sftb")
+    for name, body in (("a.jsonl", _chats(0, 24)), ("b.jsonl", _chats(24, 24))):
+        fs.pipe_file(f"{_bucket}/chat/{name}", body)
+        (tmp_path / name).write_bytes(body)
+
+    def sft(out: str, *data: str) -> str:
+        argv = ["--init", str(reference), "--out", str(tmp_path / out), "--seq-len", "32", "--batch-size", "2",
+                "--max-steps", "2", "--eval-every", "0", "--device", "cpu", "--skip-gate", "throughput",
+                "--skip-gate", "overfit_one_batch", "--skip-gate", "compiled_vs_eager"]
+        for d in data:
+            argv += ["--data", d]
+        rc, stdout, stderr = call_main("training.sft", argv, capsys)
+        assert rc == 0, stdout[-3000:] + stderr[-3000:]
+        return stdout
+
+    assert "pulled --data s3://sftb/chat (2 files)" in sft("folder", "s3://sftb/chat")
+    assert "pulled --data" not in sft("again", "s3://sftb/chat")  # cached once: nothing downloaded again
+    assert "pulled --data s3://sftb/chat/b.jsonl (1 files)" in sft("files", "s3://sftb/chat/a.jsonl",
+                                                                   "s3://sftb/chat/b.jsonl")
+    sft("local", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))
+    want = ckpt.load(tmp_path / "local").weights
+    for out in ("folder", "again", "files"):
+        got = ckpt.load(tmp_path / out).weights
+        assert all(torch.equal(v, got[k]) for k, v in want.items()), out
+    rc, out, err = call_main("training.sft", ["--init", str(reference), "--out", str(tmp_path / "x"),
+                                              "--data", "s3://sftb/nothing"], capsys)
+    assert "--data" in one_error(rc, out, err, "holds no files") and not (tmp_path / "x").exists()
+
+
+def test_init_from_a_run_url_starts_from_its_newest_committed_checkpoint(bn_data, reference, aws, tmp_path,
+                                                                       monkeypatch, capsys):
+    """--init s3://BUCKET/RUN (train.py and sft.py): the run's newest committed checkpoint is pulled into
+    an empty cache and the new run starts from exactly its weights — the same run as --init on the
+    local folder the remote one was trained in. A URL that holds no run is one error line, nothing written."""
+    from training import checkpoint as ckpt
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # an empty cache: a new machine
+    bucket(aws, "initb")
+    local = tmp_path / "trained-here"
+    rc, out, err = call_main("training.train", _argv_in_process(bn_data, "s3://initb/base", local), capsys)
+    assert rc == 0, out[-2000:] + err[-2000:]
+    tiny = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--eval-every", "0", "--device", "cpu",
+            "--skip-gate", "throughput", "--skip-gate", "overfit_one_batch", "--skip-gate", "compiled_vs_eager"]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_bytes(_chats(0, 24))
+    shape = ["--preset", "tiny", *SHRINK]  # the base run's model (a fresh train.py run must match it)
+    for cli, data, more in (("training.train", bn_data, shape), ("training.sft", chats, [])):
+        runs = {}
+        for name, init in (("url", "s3://initb/base"), ("local", str(local))):
+            runs[name] = tmp_path / f"{cli}-{name}"
+            rc, out, err = call_main(cli, ["--init", init, "--data", str(data), "--out", str(runs[name]), *tiny,
+                                           *more], capsys)
+            assert rc == 0, out[-2000:] + err[-2000:]
+        want, got = ckpt.load(runs["local"]).weights, ckpt.load(runs["url"]).weights
+        assert want.keys() == got.keys() and all(torch.equal(v, got[k]) for k, v in want.items()), cli
+    for cli, data, more in (("training.train", bn_data, shape), ("training.sft", chats, [])):
+        rc, out, err = call_main(cli, ["--init", "s3://initb/nothing", "--data", str(data),
+                                       "--out", str(tmp_path / "x"), *tiny, *more], capsys)
+        assert "s3://initb/nothing" in one_error(rc, out, err, "holds no committed checkpoint"), cli
+        assert not (tmp_path / "x").exists()

@@ -128,7 +128,7 @@ class TrainConfig:
     on_spike: Literal["warn", "skip"] = "warn"
     grad_flow_every: Count = 100
     skip_gates: list[GateName] = field(default_factory=list)
-    init: LocalPath = ""
+    init: RunLocation = ""  # a run folder or checkpoint, or a run at a store URL (pulled: training.remote_data)
     init_from: LocalPath = ""  # a Hugging Face model folder (or hub id): training.hf_import
     reset_optimizer: bool = False
     early_stop_patience: NonNegInt = 0

@@ -171,6 +171,17 @@ def model_config(hf: dict, path: Path) -> ModelConfig:
         raise InitFromError(f"{path}: {e}") from None
 
 
+def planned_config(spec: str, vocab_size: int | None) -> ModelConfig:
+    """The model `--init-from spec` trains, from config.json alone (`--plan`: no weights, no transformers), over
+    the data's vocabulary of `vocab_size` pieces (an extension's; None: the folder's own)."""
+    folder = resolve(spec)
+    cfg = model_config(read_config(folder), folder / CONFIG)
+    if vocab_size is not None and vocab_size < cfg.vocab_size:
+        raise InitFromError(f"{folder / CONFIG}: vocab_size {cfg.vocab_size} but the --data tokenizer has "
+                            f"{vocab_size} pieces: prepare --data with the folder's {TOKENIZER_MODEL}")
+    return cfg if vocab_size is None else replace(cfg, vocab_size=vocab_size)
+
+
 def read_tokenizer(folder: Path) -> bytes:
     """The folder's SentencePiece tokenizer.model; a byte-level-BPE-only folder is refused saying why."""
     path = folder / TOKENIZER_MODEL
@@ -224,7 +235,11 @@ def weight_files(folder: Path) -> list[Path]:
 def open_folder(spec: str, data_tokenizer: Tokenizer, data: str) -> Imported:
     """Everything about the folder that can be checked without reading the weights, against the data."""
     require_transformers()
-    folder = resolve(spec)
+    return inspect_folder(resolve(spec), data_tokenizer, data)
+
+
+def inspect_folder(folder: Path, data_tokenizer: Tokenizer, data: str) -> Imported:
+    """open_folder's checks without transformers (training.evaluate rebuilds a run's starting point with them)."""
     hf = read_config(folder)
     cfg = model_config(hf, folder / CONFIG)
     base = read_tokenizer(folder)

@@ -37,13 +37,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from training import layout
+from training import hf_import, layout
 from training import model as _model
 from training.config import ConfigError, TrainConfig
 from training.metrics import PEAK_BF16_FLOPS, fmt_duration, lookup_by_name, mfu_flops
 from training.model import ModelConfig, count_params, preset
 from training.records import RecordError, read_log
-from training.schema import NonNegFloat, PositiveFloat, PositiveInt, Probability, flag
+from training.schema import URL_SCHEME, NonNegFloat, PositiveFloat, PositiveInt, Probability, flag
 
 GIB = 2**30
 # Bytes per parameter of the training state (fp32 master weights; torch.optim.AdamW's two moments).
@@ -186,14 +186,27 @@ def measured_tokens_per_s(out: Path) -> float | None:
 
 def data_vocab(cfg: TrainConfig) -> tuple[int, int | None, str]:
     """(vocab size, train tokens or None, where from): the data folder's meta.json when it is there."""
-    meta_path = Path(cfg.data) / layout.DATA_META
-    if meta_path.is_file():
+    if URL_SCHEME.match(cfg.data):  # the plan reads no store: it runs before credentials matter
+        meta_path: Path | str = f"{cfg.data.rstrip('/')}/{layout.DATA_META}"
+    else:
+        meta_path = Path(cfg.data) / layout.DATA_META
+    if isinstance(meta_path, Path) and meta_path.is_file():
         meta = layout.read_json(meta_path, "data meta")
         vocab = meta.get("vocab_size")
         train = meta.get("splits", {}).get("train", {}).get("n_tokens")
         if isinstance(vocab, int) and vocab > 0:
             return vocab, train if isinstance(train, int) else None, str(meta_path)
+    if cfg.init_from:  # the imported model's own vocabulary (hf_import.planned_config reads it)
+        return 0, None, f"--init-from {cfg.init_from} ({meta_path} not read)"
     return cfg.model.get("vocab_size", preset(cfg.preset).vocab_size), None, f"preset {cfg.preset} ({meta_path} not read)"
+
+
+def planned_model(cfg: TrainConfig, vocab: int) -> tuple[ModelConfig, str]:
+    """(the model the run trains, what its shape comes from): the preset's, or with --init-from the folder's
+    config.json over the data's vocabulary (an extended tokenizer's rows included); vocab 0: the folder's."""
+    if not cfg.init_from:
+        return cfg.model_config(vocab), f"preset {cfg.preset}"
+    return hf_import.planned_config(cfg.init_from, vocab or None), f"--init-from {cfg.init_from}"
 
 
 def world_size() -> int:
@@ -236,7 +249,8 @@ def plan(cfg: TrainConfig, *, gpu: str | None = None, gpu_mem_gb: float | None =
     log.jsonl when present; writes nothing and allocates nothing."""
     world = gpus or world_size()
     vocab, train_tokens, vocab_from = data_vocab(cfg)
-    mc = cfg.model_config(vocab)
+    mc, shape_from = planned_model(cfg, vocab)
+    vocab = mc.vocab_size
     if cfg.seq_len > mc.max_seq_len:
         raise PlanError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}")
     device = pick_gpu(cfg, gpu, gpu_mem_gb)
@@ -253,7 +267,7 @@ def plan(cfg: TrainConfig, *, gpu: str | None = None, gpu_mem_gb: float | None =
 
     p = print_
     mode = "FSDP2" if cfg.fsdp and world > 1 else "DDP" if world > 1 else "one process"
-    p(f"plan: preset {cfg.preset}, {count_params(mc) / 1e6:,.1f} M parameters "
+    p(f"plan: {shape_from}, {count_params(mc) / 1e6:,.1f} M parameters "
       f"({count_params(mc, non_embedding=True) / 1e6:,.1f} M non-embedding), vocab {vocab:,} from {vocab_from}")
     p(f"  tokens/step   {cfg.batch_size} x {cfg.grad_accum} x {cfg.seq_len} x {world} GPU(s) = {tokens_per_step:,} ({mode})")
     epochs = f", {total_tokens / train_tokens:.2f} epochs of the data" if train_tokens else ""
@@ -327,6 +341,7 @@ def _does_not_fit(cfg: TrainConfig, mem: dict[str, int], world: int, gpu_name: s
     hint = ("lower --batch-size and raise --grad-accum" +
             ("" if cfg.activation_checkpointing else ", or add --activation-checkpointing") +
             ("" if cfg.fsdp or world == 1 else ", or --fsdp"))
-    return (f"--plan: {cfg.preset} at micro-batch {cfg.batch_size} x {cfg.seq_len} needs ~{mem['total'] / GIB:.1f} GiB "
+    what = f"--init-from {Path(cfg.init_from).name}" if cfg.init_from else cfg.preset
+    return (f"--plan: {what} at micro-batch {cfg.batch_size} x {cfg.seq_len} needs ~{mem['total'] / GIB:.1f} GiB "
             f"per GPU ({biggest} {mem[biggest] / GIB:.1f} GiB), over the {gpu_name}'s {usable:.1f} "
             f"usable GiB; {hint}")

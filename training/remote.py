@@ -3,11 +3,13 @@
     URL/.prodip_run  run.json  log.jsonl  gates.json  tokenizer.model  curves.png ...   (the run files)
     URL/checkpoints/step_0000100/{model.safetensors, optim.safetensors, state.json, ...}
     URL/checkpoints/step_0000100.commit.json   written last: {"prodip_commit": 1, "step", "files": {name: {size, sha256}}}
+    URL/export/{manifest.json, gguf/..., ...}  URL/export.commit.json   (`python -m export` writes back; same marker)
 
 Object stores have no atomic rename, so a checkpoint is visible only through its commit marker,
-uploaded after every file of it: `committed()` lists the checkpoints whose marker names files of
-exactly those sizes, `partial()` the step folders without one (an upload cut short), and a download
-checks every sha256 against the marker. Removal deletes the marker first.
+uploaded after every file of it (`Remote.commit`, also what writes exports back): `scan()` lists the
+checkpoints whose marker names files of exactly those sizes and the step folders without one (an
+upload cut short), and a download checks every sha256 against the marker. Removal deletes the marker
+first. A --data URL is pulled by training.remote_data.
 
 The endpoint and the credentials are the standard AWS ones (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3,
 AWS_ACCESS_KEY_ID..., ~/.aws): botocore reads them; this module never prints, logs or stores a
@@ -30,6 +32,7 @@ from training.schema import URL_SCHEME, URL_STORES
 
 COMMIT_SUFFIX = ".commit.json"
 COMMIT_FORMAT = ("prodip_commit", 1)
+EXPORT_COMMIT = layout.EXPORT + COMMIT_SUFFIX  # URL/export.commit.json: exports written back (export.writeback)
 # what a run folder holds besides its checkpoints, mirrored in this order (the marker first: "ours")
 RUN_FILES = (layout.RUN_MARKER, layout.RUN_CONFIG, layout.TOKENIZER, layout.GATES, layout.LOG, layout.CURVES,
              layout.NONFINITE, layout.EARLY_STOP)
@@ -75,8 +78,10 @@ def _url_key(url: str) -> str:
 
 
 def cache_dir(url: str) -> Path:
-    """The default local cache of a run at `url`: ~/.cache/prodip/runs/<sha256 of the URL, 16 hex>."""
-    return CACHE_ROOT.expanduser() / _url_key(url)
+    """The default local cache of a run at `url`: ~/.cache/prodip/runs/<sha256 of the URL, 16 hex>/<its last
+    name>, so the folder is named as the run (exports, cards and curves are named for it, not for a hash)."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return CACHE_ROOT.expanduser() / _url_key(url) / name
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -194,16 +199,50 @@ class Remote:
             self._call(self.fs.rm, self.path(rel), recursive=recursive)
 
     # ----------------------------------------------------------------------------- checkpoints
+    def commit(self, files: dict[str, Path], rel_dir: str, marker_rel: str, **extra: Any) -> dict:
+        """Every file (keyed by its path under URL/rel_dir) uploaded, then the commit marker naming each
+        one's size and sha256, last: the one commit mechanism of checkpoints and written-back exports."""
+        digests = {}
+        for name, local in sorted(files.items()):
+            digests[name] = file_digest(local)
+            self.put(local, f"{rel_dir}/{name}")
+        key, version = COMMIT_FORMAT
+        marker = {key: version, **extra, "files": digests}
+        self.put_bytes(json.dumps(marker, indent=1).encode(), marker_rel)
+        return marker
+
+    def read_commit(self, rel_dir: str, marker_rel: str) -> dict | None:
+        """The commit marker at URL/marker_rel when it names exactly the files under URL/rel_dir (every
+        depth), at their sizes; else None (absent, damaged, or an upload cut short)."""
+        try:
+            marker = self.read_json(marker_rel, "commit marker")
+        except layout.LayoutError:
+            return None
+        files = marker.get("files") if isinstance(marker, dict) else None
+        if not isinstance(files, dict) or not files or marker.get(COMMIT_FORMAT[0]) != COMMIT_FORMAT[1]:
+            return None
+        try:
+            found = self._call(self.fs.find, self.path(rel_dir), detail=True)
+        except FileNotFoundError:
+            found = {}
+        base = self.path(rel_dir) + "/"
+        sizes = {k[len(base):]: int(v.get("size") or 0) for k, v in found.items()
+                 if v.get("type") == "file" and k.startswith(base)}
+        return marker if sizes == {k: v.get("size") for k, v in files.items()} else None
+
+    def get_verified(self, rel: str, local: Path, want: dict) -> bool:
+        """URL/rel into `local`; False (and `local` removed) when its size or sha256 is not the marker's."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.get(rel, local)
+        if file_digest(local) == {"size": want.get("size"), "sha256": want.get("sha256")}:
+            return True
+        local.unlink(missing_ok=True)
+        return False
+
     def upload_checkpoint(self, local: Path, step: int) -> None:
         """Every file of the checkpoint folder `local`, then its commit marker (sizes and sha256) last."""
-        name = layout.STEP_PREFIX + f"{step:07d}"
-        files = {}
-        for f in sorted(p for p in local.iterdir() if p.is_file()):
-            files[f.name] = file_digest(f)
-            self.put(f, f"{layout.CHECKPOINTS}/{name}/{f.name}")
-        key, version = COMMIT_FORMAT
-        marker = {key: version, "step": step, "files": files}
-        self.put_bytes(json.dumps(marker, indent=1).encode(), f"{layout.CHECKPOINTS}/{name}{COMMIT_SUFFIX}")
+        name = f"{layout.CHECKPOINTS}/{layout.STEP_PREFIX}{step:07d}"
+        self.commit({f.name: f for f in local.iterdir() if f.is_file()}, name, name + COMMIT_SUFFIX, step=step)
 
     def scan(self) -> tuple[list[tuple[int, dict]], list[str]]:
         """(committed checkpoints as (step, marker), oldest first; step folders no valid marker vouches for)."""
@@ -233,8 +272,7 @@ class Remote:
         tmp.mkdir(parents=True)
         try:
             for fname, want in marker["files"].items():
-                self.get(f"{layout.CHECKPOINTS}/{name}/{fname}", tmp / fname)
-                if file_digest(tmp / fname) != {"size": want.get("size"), "sha256": want.get("sha256")}:
+                if not self.get_verified(f"{layout.CHECKPOINTS}/{name}/{fname}", tmp / fname, want):
                     return False
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
@@ -299,63 +337,36 @@ def pull_run(url: str, step: int | None, say: Any, flag: str = "RUN_DIR") -> Pat
     return cache
 
 
-PULLED = ".prodip_pulled.json"  # a pulled data folder's record: every object's size and ETag, written last
-
-
-def data_cache_dir(url: str) -> Path:
-    """Where a --data URL is pulled: ~/.cache/prodip/data/<sha256 of the URL, 16 hex>."""
-    return CACHE_ROOT.expanduser().parent / "data" / _url_key(url)
-
-
-def _md5_ok(path: Path, etag: str) -> bool:
-    """The file against the store's ETag, when that is an MD5 (a single-part upload); else only its size."""
-    etag = etag.strip('"')
-    if not etag or "-" in etag or len(etag) != 32:
-        return True
-    h = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest() == etag
-
-
-def pull_data(url: str, say: Any, flag: str = "--data") -> Path:
-    """A data folder at `url` (written by training.prepare, uploaded as is) as a local folder: pulled once
-    into data_cache_dir(url), every file's size and MD5 (the store's ETag) checked, and pulled again only
-    when the store's listing changes or a cached file lost its size. A store that does not answer is
-    fine when the folder was pulled before (a warning); else RemoteError."""
-    r = Remote(url, flag)
-    dest = data_cache_dir(r.url)
-    record = dest / PULLED
+def pull_export(url: str, say: Any, flag: str = "MODEL") -> Path:
+    """A file (or folder) of a run's written-back export, URL = RUN/export/REL, as a local path in the
+    run's cache (CACHE/export/REL), every file's sha256 checked against RUN/export.commit.json (files
+    already there with that sha256 are kept): what `python -m serving s3://BUCKET/RUN/export/...` loads."""
+    scheme, root = split_url(url, flag)
+    run_root, sep, rel = root.partition(f"/{layout.EXPORT}/")
+    rel = rel.strip("/")
+    if not sep or not rel:
+        raise RemoteError(f"{flag} {url}: expected a file of a run's written-back export, "
+                          f"{scheme}://BUCKET/RUN/{layout.EXPORT}/gguf/NAME.gguf (python -m export writes them)")
+    r = Remote(f"{scheme}://{run_root}", flag)
     try:
         r.check()
-        found = r._call(r.fs.find, r.root, detail=True)
+        marker = r.read_commit(layout.EXPORT, EXPORT_COMMIT)
     except Unreachable as e:
-        if record.is_file():
-            say(f"warning: {e}; using the copy pulled before, {dest}")
-            return dest
-        raise RemoteError(f"{flag} {r.url}: {e}, and it was never pulled to this machine") from None
-    listing = {k[len(r.root) + 1:]: {"size": int(v.get("size") or 0), "etag": str(v.get("ETag", ""))}
-               for k, v in found.items() if v.get("type") == "file" and k.startswith(r.root + "/")}
-    if not listing:
-        raise RemoteError(f"{flag} {r.url}: holds no files (expected a folder written by `python -m training.prepare`)")
-    if record.is_file() and json.loads(record.read_text()) == listing and \
-            all((dest / k).is_file() and (dest / k).stat().st_size == v["size"] for k, v in listing.items()):
-        return dest
-    tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        for rel, v in listing.items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            r.get(rel, tmp / rel)
-            if (tmp / rel).stat().st_size != v["size"] or not _md5_ok(tmp / rel, v["etag"]):
-                raise RemoteError(f"{flag} {r.url}/{rel}: the downloaded file does not match the store's size and "
-                                  "checksum; run the same command again")
-        (tmp / PULLED).write_text(json.dumps(listing))
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    say(f"pulled {flag} {r.url} ({len(listing)} files) into {dest}")
-    return dest
-
+        raise RemoteError(f"{flag} {url}: {e}") from None
+    if marker is None:
+        raise RemoteError(f"{flag} {url}: {r.url} holds no committed export (`python -m export gguf {r.url}` "
+                          "writes one back)")
+    want = {k: v for k, v in marker["files"].items() if k == rel or k.startswith(rel + "/")}
+    if not want:
+        raise RemoteError(f"{flag} {url}: not in {r.url}'s committed export (it holds {', '.join(sorted(marker['files']))})")
+    dest = cache_dir(r.url) / layout.EXPORT
+    for name, digest in want.items():
+        local = dest / name
+        if local.is_file() and file_digest(local) == {"size": digest.get("size"), "sha256": digest.get("sha256")}:
+            continue
+        tmp = local.with_name(f".tmp-pull-{local.name}")
+        if not r.get_verified(f"{layout.EXPORT}/{name}", tmp, digest):
+            raise RemoteError(f"{flag} {url}: {name} differs from its commit marker's sha256; run the same command again")
+        os.replace(tmp, local)
+    say(f"pulled {url} ({len(want)} files, sha256 checked) into {dest / rel}")
+    return dest / rel

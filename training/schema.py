@@ -80,7 +80,7 @@ class SchemaError(ValueError):
 def first_problem(e: ValidationError) -> str:
     """pydantic's first complaint in plain words, with the location inside nested values if any."""
     err = e.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+    loc = ".".join(str(p) for p in err["loc"])  # () for the value itself
     msg = err["msg"].removeprefix(VALUE_ERROR)  # our own validators' words need no pydantic prefix
     return f"{loc}: {msg}" if loc else msg
 
@@ -123,8 +123,6 @@ def flag(type_: Any) -> Callable[[str], Any]:
         except ValidationError as e:
             raise argparse.ArgumentTypeError(f"{first_problem(e)} (got {text!r})") from None
 
-    convert.__name__ = getattr(type_, "__name__", "value")  # argparse names the type in some messages
-    convert.schema_type = type_  # type: ignore[attr-defined]  # lets tests/test_hostile_sweep.py generate cases
     return convert
 
 

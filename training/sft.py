@@ -2,6 +2,7 @@
 
     python training/sft.py --init RUN_OR_CHECKPOINT --data FILE.jsonl [--data FILE2.jsonl] --out SFT_RUN
            [--epochs 3 | --max-steps N] [every training/train.py flag that makes sense]
+    --data may be a store URL (s3://BUCKET/PREFIX: one file or a folder of them), pulled once (training.remote_data).
 
 Records are JSONL (or one JSON array) in any of these shapes:
     {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}    (OpenAI-style)
@@ -50,6 +51,8 @@ from training.config import ConfigError, TrainConfig, add_train_flags, given_key
 from training.config import config_from_args as train_config_from_args
 from training.data import Row, collate
 from training.model import ModelConfig
+from training.remote import RemoteError, is_url
+from training.remote_data import PULLED, local_init, pull_data
 from training.schema import PositiveFloat, SchemaError, flag
 from training.sft_data import KIND, SFTData, SFTError
 from training.tokenizer import Tokenizer
@@ -195,26 +198,59 @@ def build_parser() -> argparse.ArgumentParser:
                               + ", --seq-len: the --init model's max_seq_len")
     add_train_flags(p, exclude=("data", "init"))
     p.add_argument("--data", action="append", required=True, metavar="FILE.jsonl",
-                   help="conversations (messages / Alpaca / ShareGPT JSONL); repeatable")
-    p.add_argument("--init", required=True, metavar="RUN_OR_CHECKPOINT", help="the pretrained weights to fine-tune")
+                   help="conversations (messages / Alpaca / ShareGPT JSONL); repeatable; or a store URL "
+                        "(s3://BUCKET/PREFIX: one file or a folder of .jsonl/.json, pulled once, checksums checked)")
+    p.add_argument("--init", required=True, metavar="RUN_OR_CHECKPOINT", help="the pretrained weights to fine-tune: a run folder, a checkpoint, or a run at a store URL (s3://BUCKET/RUN)")
     p.add_argument("--epochs", type=flag(PositiveFloat), default=None,
                    help=f"passes over the training conversations (default {DEFAULT_EPOCHS:g} unless --max-steps/--max-tokens)")
     return p
+
+
+def local_data(files: Sequence[str]) -> list[str]:
+    """--data as local files: a store URL (one JSONL/JSON file, or a folder of them) is pulled once into
+    ~/.cache/prodip/data/ with its checksums checked (training.remote_data, as train.py's --data), and
+    stands for the .jsonl/.json files there in name order; local files are kept as given."""
+    out = []
+    for f in files:
+        if not is_url(f):
+            out.append(f)
+            continue
+        say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
+        try:
+            folder = pull_data(f, say)
+        except RemoteError as e:
+            raise SFTError(str(e)) from None
+        found = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".json")
+                       and p.name != PULLED)
+        if not found:
+            raise SFTError(f"--data {f}: holds no .jsonl or .json file of conversations")
+        out += [str(p) for p in found]
+    return out
+
+
+def local_init_run(init: str) -> str:
+    """--init as a local path (a run at a store URL pulled first: training.remote_data.local_init)."""
+    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
+    try:
+        return local_init(init, say)
+    except RemoteError as e:
+        raise SFTError(str(e)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, float | None]:
     """(TrainConfig, epochs or None). Precedence: SFT defaults < TOML < flags < --set, as in train.py."""
     toml_keys = given_keys(args)  # the --config file's [train] keys and --set's
     ns = copy.copy(args)
-    ns.data = os.pathsep.join(args.data)
+    ns.data = os.pathsep.join(local_data(args.data))
+    ns.init = local_init_run(args.init)  # a run at a store URL: its newest committed checkpoint, pulled
     for k, v in SFT_DEFAULTS.items():
         if getattr(ns, k) is None and k not in toml_keys:
             setattr(ns, k, v)
     if ns.seq_len is None and "seq_len" not in toml_keys:
-        _, init_cfg, _ = init_checkpoint(args.init)
+        _, init_cfg, _ = init_checkpoint(ns.init)
         ns.seq_len = init_cfg.max_seq_len  # default: the whole context the model was trained for
     if ns.lr is None and "lr" not in toml_keys:
-        ns.lr = default_lr(args.init)
+        ns.lr = default_lr(ns.init)
     epochs = args.epochs
     steps_given = any(getattr(args, k) is not None or k in toml_keys for k in ("max_steps", "max_tokens"))
     if epochs is not None and steps_given:

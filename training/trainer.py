@@ -10,8 +10,6 @@ or is refused naming why (training.loop.checkpointer).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,14 +18,13 @@ import torch
 from training import checkpoint as ckpt
 from training import distributed as D
 from training import optim
-from training.config import ConfigError, TrainConfig
-from training.data import Prefetcher, TrainingData
+from training.config import TrainConfig
+from training.data import Prefetcher
 from training.loop.checkpointer import Checkpointer, Live
 from training.loop.checks import RuntimeChecks
 from training.loop.early_stopping import EarlyStopping
-from training.loop.init_from import HFInit
+from training.loop.inputs import DataFactory, RunInputs
 from training.loop.metrics_logger import MetricsLogger
-from training.loop.mirror import Mirror, pull_data
 from training.loop.preemption import PreemptionStop
 from training.loop.preflight import Preflight
 from training.loop.ranks import USER_ERRORS, TrainError, agreed
@@ -41,7 +38,6 @@ from training.schedule import lr_at
 
 __all__ = ["RESUME_HINT", "USER_ERRORS", "TrainError", "Trainer"]
 
-DataFactory = Callable[[TrainConfig, D.Dist], TrainingData]
 RESUME_HINT = "interrupted; resume by running the same command again"
 
 
@@ -62,11 +58,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data_factory: DataFactory, *, kind: str = "pretrain", force: bool = False,
                  model_class: type[Transformer] = Transformer, lr_schedule: optim.Schedule = lr_at):
         self.cfg, self.recipe = cfg, Recipe(data_factory, kind, force, model_class, lr_schedule)
-        self.step = 0
+        self.step, self.preemption = 0, None
         self.metrics: MetricsLogger | None = None
         self.checkpointer: Checkpointer | None = None
-        self.preemption: PreemptionStop | None = None
-        self.hf_init = HFInit(cfg.init_from, lambda m: self.say(m)) if cfg.init_from else None  # --init-from
 
     def run(self) -> dict:
         """Run (or resume) training; returns a summary dict."""
@@ -82,12 +76,9 @@ class Trainer:
             self.train_loop()
             summary = self.summary()
         finally:
-            if self.preemption is not None:
-                self.preemption.restore()
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-            if self.metrics is not None:
-                self.metrics.close()
+            for part in (self.preemption, self.checkpointer, self.metrics):  # signal handlers, writer, log
+                if part is not None:
+                    part.close()
             # a URL --out: the last checkpoint and the run files uploaded (a preempted run's too)
             unmirrored = self.checkpointer.close_mirror(cfg.allow_local_only) if self.checkpointer else ""
             D.teardown(self.dist)
@@ -100,52 +91,38 @@ class Trainer:
             print(*a, **k)
 
     def setup(self) -> None:
-        """Device, data, model config, the run folder and resume source, model (+ wrap, compile),
+        """Device, --out, data, model config, the run folder and resume source, model (+ wrap, compile),
         optimizer, and the resume, if any: all read and checked, nothing written."""
-        cfg, d = self.cfg, self.dist
+        cfg, d, recipe = self.cfg, self.dist, self.recipe
         self.device = pick_device(cfg.device, d)  # TF32 matmuls on CUDA
-        # a URL --out is checked (scheme, library, credentials, bucket) and trained in a local cache folder
-        mirror = agreed(d, self.device, f"opening --out {cfg.out}", lambda: Mirror.open(cfg, d, self.say))
-        out = mirror.cache if mirror is not None else Path(cfg.out)
+        self.inputs = RunInputs(cfg, d, self.device, kind=recipe.kind, data_factory=recipe.data_factory, say=self.say)
+        out, mirror = self.inputs.open_out()
         torch.manual_seed(cfg.seed)
         self.metrics = MetricsLogger(cfg, out, d, self.device)
-        local = agreed(d, self.device, f"pulling --data {cfg.data}", lambda: pull_data(cfg, self.recipe.kind, d, self.say))
-        self.data, model_cfg = agreed(d, self.device, f"reading --data {cfg.data}", lambda: self.read_data(local))
-        self.folder = RunFolder(out, d, kind=self.recipe.kind, force=self.recipe.force)
+        self.data, model_cfg = self.inputs.read_data(check=self.metrics.check_tracker)
+        self.folder = RunFolder(out, d, kind=recipe.kind, force=recipe.force)
         self.early = EarlyStopping(cfg.early_stop_patience, out, d, log=self.metrics.event, say=self.say)
-        self.checkpointer = Checkpointer(out, d, self.device, cfg, kind=self.recipe.kind, log=self.metrics.event,
+        self.checkpointer = Checkpointer(out, d, self.device, cfg, kind=recipe.kind, log=self.metrics.event,
                                          say=self.say)
         self.checkpointer.mirror = mirror  # uploads each save once commit() started it
         latest = self.check_run_dir(model_cfg)
         if self.early.prior is not None:
             return
-        self.views = self.build_model(model_cfg, init_weights=latest is None)
-        self.train_step = TrainStep(self.views, cfg, d, self.recipe.lr_schedule)
-        self.validator = Validator(cfg, self.data, d, self.views)
+        with torch.device("cpu"):
+            model = recipe.model_class(model_cfg)
+        if latest is None:
+            self.inputs.init_weights(model, self.data, self.checkpointer)
+        views = build_views(model, cfg, d, self.device, self.new_optimizer)
+        self.train_step = TrainStep(views, cfg, d, recipe.lr_schedule)
+        self.validator = Validator(cfg, self.data, d, views)
         self.metrics.peak_flops, gpu_name = peak_flops(self.device)
-        self.say(self.metrics.banner(self.recipe.kind, model_cfg, gpu_name, self.train_step, self.views))
+        self.say(self.metrics.banner(recipe.kind, model_cfg, gpu_name, self.train_step, views))
         for key, part, what in (("data", Live(lambda: self.data.train), "data position"),
                                 (None, self.metrics, "token count"), (None, self.early, "early-stop state")):
             self.checkpointer.register(key, part, what)
         self.checkpointer.keep = self.early.keep
         if latest is not None:
-            self.step = self.checkpointer.resume(latest, self.views)
-
-    def read_data(self, local: Path | None) -> tuple[TrainingData, ModelConfig]:
-        """The data (from the folder a --data URL was pulled into, if any) and the model config."""
-        cfg = self.cfg
-        data = self.recipe.data_factory(cfg if local is None else dataclasses.replace(cfg, data=str(local)), self.dist)
-        if self.hf_init is not None:  # the shape is the HF config's; the folder's tokenizer must be the data's
-            model_cfg = self.hf_init.open(data.tokenizer, cfg.data)
-        else:
-            model_cfg = cfg.model_config(data.tokenizer.vocab_size)
-        if cfg.seq_len > model_cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-        if cfg.early_stop_patience and not (data.val and cfg.eval_every):
-            raise ConfigError(f"--early-stop-patience {cfg.early_stop_patience} needs validation: --eval-every > 0 "
-                              f"and a validation split in {cfg.data}")
-        self.metrics.check_tracker()
-        return data, model_cfg
+            self.step = self.checkpointer.resume(latest, views)
 
     def check_run_dir(self, model_cfg: ModelConfig) -> Path | None:
         """RUN_DIR against this run (reading only): the checkpoint to resume from, or None. Under torchrun
@@ -167,28 +144,24 @@ class Trainer:
         D.agree_on_view(self.dist, mine, self.device, f"--out {self.folder.out}")
         return latest
 
-    def build_model(self, model_cfg: ModelConfig, init_weights: bool) -> ModelViews:
-        cfg = self.cfg
-        with torch.device("cpu"):
-            model = self.recipe.model_class(model_cfg)
-        if cfg.init and init_weights:
-            self.say(f"initialized from {self.checkpointer.init_from(model, self.data.tokenizer.sha256)}")
-        if self.hf_init is not None and init_weights:
-            agreed(self.dist, self.device, f"importing --init-from {cfg.init_from}",
-                   lambda: self.hf_init.load(model, self.data))
-        return build_views(model, cfg, self.dist, self.device, self.new_optimizer)
+    @property
+    def views(self) -> ModelViews:  # the model, its wrapped and compiled forms, the optimizer (TrainStep's)
+        return self.train_step.views
 
     def new_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         """The training optimizer, and the one the overfit gate builds for its copy of the model."""
         return optim.make_optimizer(module, self.cfg, self.device)
 
     def preflight(self) -> None:
-        """The pre-flight gates (training.loop.preflight). A resumed run passed them when it started."""
+        """The pre-flight gates (training.loop.preflight): before a fresh run's first step, and again on a
+        resume that changed what they judged (device, dtype, world size, compile, wrapping)."""
+        preflight = Preflight(self.cfg, self.dist, self.folder, self.say)
+        gate_args = (self.views, self.data, self.new_optimizer, self.metrics.peak_flops)
         if not self.step:
-            preflight = Preflight(self.cfg, self.dist, self.folder, self.say)
-            self.folder.gate_report = preflight.run(self.views, self.data, self.new_optimizer, self.metrics.peak_flops)
-            if self.hf_init is not None:  # its parity gate passed: a failed import stops in setup
-                self.folder.gate_report.results[:0] = self.hf_init.gates
+            self.folder.gate_report = preflight.run(*gate_args)
+            self.folder.gate_report.results[:0] = self.inputs.gates  # --init-from's parity gate (passed in setup)
+        elif changed := preflight.changed_since(self.folder.out, self.views):
+            self.folder.gate_report = preflight.rerun(self.folder.out, *gate_args, self.step, changed)
 
     def commit(self) -> None:
         self.folder.commit(model_cfg=self.views.model.cfg, train=self.cfg.to_dict(), tokenizer=self.data.tokenizer)

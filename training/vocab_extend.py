@@ -7,6 +7,7 @@ imported model's embedding and head grow by.
                                lacks, in `trained`'s order, scored below every base piece (a BPE merges
                                the base's pairs first)
     is_extension(base, ext)    ext's first pieces are exactly base's (text, kind, score)
+    check_carried(base, where) a base whose normalizer llama.cpp and tokenizer.json cannot repeat is refused
     extended_tokenizer(...)    what `training.prepare --extend-tokenizer BASE --add-pieces N` writes
     new_row_sources(...)       for each appended piece, the base ids of the text it spells: its new
                                embedding (and head) row is the mean of the base rows of those ids, so
@@ -43,9 +44,21 @@ def parse(proto: bytes, where: str) -> pb.ModelProto:
     return m
 
 
+def check_carried(m: pb.ModelProto, where: str) -> None:
+    """A base whose own normalizer rewrites text (SentencePiece's default nmt_nfkc: NFKC, ZWJ/ZWNJ dropped) or
+    folds whitespace is refused: llama.cpp's SentencePiece tokenizer and the exported tokenizer.json apply
+    neither, so its exports would tokenize otherwise than training. Llama's own (identity, a dummy prefix) is fine."""
+    spec = m.normalizer_spec
+    if (spec.name or "identity") != "identity" or spec.remove_extra_whitespaces:
+        what = f"normalization rule {spec.name!r}" if (spec.name or "identity") != "identity" else "whitespace folding"
+        raise ExtendError(f"{where}: its {what} (normalizer_spec) cannot be carried to GGUF/llama.cpp and the HF "
+                          "tokenizer.json, which normalize nothing; prodip extends identity-normalized tokenizers only")
+
+
 def extend(base: bytes, trained: bytes, add_pieces: int, where: str = "base tokenizer") -> tuple[bytes, int]:
     """(the extended model's bytes, how many normal pieces were appended)."""
     m, t = parse(base, where), parse(trained, "trained pieces")
+    check_carried(m, where)
     have = {p.piece for p in m.pieces}
     lacking = [s for s in (UNK, BOS, EOS) if s not in have]
     if lacking:
@@ -96,7 +109,6 @@ def new_row_sources(base: bytes, ext: Tokenizer, base_vocab: int) -> list[list[i
     return out
 
 
-
 def read_base(path: Path) -> bytes:
     """--extend-tokenizer's file: a SentencePiece model (a folder means its tokenizer.model)."""
     p = Path(path)
@@ -105,7 +117,7 @@ def read_base(path: Path) -> bytes:
     if not p.is_file():
         raise ExtendError(f"--extend-tokenizer: not found: {p}")
     base = p.read_bytes()
-    parse(base, f"--extend-tokenizer {p}")
+    check_carried(parse(base, f"--extend-tokenizer {p}"), f"--extend-tokenizer {p}")
     return base
 
 

@@ -8,6 +8,7 @@ through `export.evaluate`), so quantization loss shows up as a bits-per-byte del
     providers.py  LogProbProvider, TorchProvider, EvalError
     text.py       windows, span scoring, LMStats (bits per byte/char), documents by language
     twin.py       the random-init twin and its gate
+    base.py       an --init-from run against its base: the base and the extended-untrained model, bits/byte
     mc.py         multiple-choice formats, scoring, Wilson interval, chance
     generate.py   greedy answers to prompts, scored for Bengali well-formedness (training.wellformed)
     request.py    what to score, and one model scored on it

@@ -3,6 +3,8 @@
 Scores a checkpoint and its random-init twin (bits per byte, multiple choice, and the well-formedness
 of greedy answers to --prompts, the demo's examples by default); writes eval.json, eval.md and eval.png (RUN/eval by
 default) and, for a run, a section of the model card RUN/export/README.md when that file exists.
+A run started with `train.py --init-from` is also judged against its base (training.evaluate.base: the
+base's and the extended-but-untrained model's bits per byte beside the model's; --base, --no-base).
 `add_common_args`/`check_common_args` are shared with `python -m export.evaluate`.
 """
 
@@ -20,6 +22,7 @@ from training import layout
 from training.checkpoint import load_model
 from training.cli import ArgumentParser, run_main
 from training.config import Device
+from training.evaluate.base import CONTINUED, AgainstBase, base_spec
 from training.evaluate.generate import GEN_TOKENS, PROMPTS, read_prompts
 from training.evaluate.providers import EvalError, TorchProvider
 from training.evaluate.report import OUTPUT_FILES, make_report, render_markdown, update_card, write_outputs
@@ -80,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                     help="chat template or plain continuation (auto: chat for an SFT run)")
     ap.add_argument("--fail-on-gate", action="store_true", help="exit 1 when the twin gate fails")
+    ap.add_argument("--base", default=None, metavar="FOLDER",
+                    help="the Hugging Face folder the run started from (default: run.json's init_from); its "
+                         "bits/byte, and the extended-but-untrained model's, go beside the model's (docs/init_from.md)")
+    ap.add_argument("--no-base", action="store_true", help="skip the comparison with an --init-from run's base")
     return ap
 
 
@@ -110,6 +117,8 @@ def check_places(args: argparse.Namespace) -> None:
     when nothing else would be read first (so the first error names what is wrong)."""
     if args.device is not None:
         check(Device, args.device, "--device")
+    if args.base and args.no_base:
+        raise EvalError("--base and --no-base: give one")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise EvalError(f"--out {args.out} is a file, not a folder")
     if not (args.text or args.mc or args.prompts is not None) and not Path(args.path).exists():
@@ -122,6 +131,7 @@ def run_cli(args: argparse.Namespace) -> int:
     wanted = args.prompts is not None or args.text or args.mc
     prompts = read_prompts(args.prompts or PROMPTS) if wanted and args.gen_tokens > 0 else []
     run_dir = layout.run_dir_of(args.path)
+    run_cfg = layout.read_run_config(run_dir) if run_dir is not None else None
     req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride,
                         prompts=prompts, gen_tokens=args.gen_tokens, chat=prompt_format(args.prompt_format, run_dir))
     device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,8 +144,11 @@ def run_cli(args: argparse.Namespace) -> int:
         raise EvalError(f"{args.path} is a checkpoint outside a run folder; pass --out DIR")
     if (out_dir / OUTPUT_FILES[0]).exists() and not args.force:  # fail before minutes of scoring
         raise EvalError(f"{out_dir / OUTPUT_FILES[0]} already exists; pass --force to overwrite or --out DIR")
+    spec = None if args.no_base else base_spec(run_cfg, args.base, run_dir and layout.run_config_path(run_dir))
+    data = str(((run_cfg or {}).get("train") or {}).get("data") or "of the run")
+    against = AgainstBase(spec, ck.tokenizer, data) if spec and req.docs else None  # checked before any scoring
     progress = not args.no_progress
-    models = [evaluate_model(TorchProvider(model, ck.tokenizer, name="model"), req, progress=progress)]
+    models = [evaluate_model(TorchProvider(model, ck.tokenizer, name=CONTINUED), req, progress=progress)]
     gates: list[GateResult] = []
     if not args.no_twin and req.docs:
         twin = TorchProvider(make_twin(ck.config, args.twin_seed, device), ck.tokenizer, name="twin")
@@ -143,10 +156,13 @@ def run_cli(args: argparse.Namespace) -> int:
         m, t = models[0]["lm"][ALL], models[1]["lm"][ALL]
         gates.append(twin_result(m["nll_per_token"], t["nll_per_token"], m["tokens"], margin=args.margin,
                                  seed=args.twin_seed, what="text"))
+    extra = {"step": ck.state.get("step"), "twin_seed": args.twin_seed,
+             "decontamination": decontamination_of(run_dir, eval_files(req))}
+    if against is not None:
+        models += against.score(req, device, progress=progress)
+        extra["init_from"] = against.summary(models)
     report = make_report("checkpoint", str(ck.path), models, req, gates=gates,
-                         reference="model" if len(models) > 1 else None,
-                         extra={"step": ck.state.get("step"), "twin_seed": args.twin_seed,
-                                "decontamination": decontamination_of(run_dir, eval_files(req))})
+                         reference=CONTINUED if len(models) > 1 else None, extra=extra)
     written = write_outputs(report, out_dir, force=args.force)
     card = run_dir / layout.EXPORT / layout.CARD if run_dir else None
     if card is not None and card.is_file():

@@ -116,12 +116,30 @@ def _wellformed_table(models: list[dict], heading: str) -> list[str]:
     return [*lines, ""]
 
 
+def _base_table(comp: dict, heading: str) -> list[str]:
+    """eval.json's "init_from" (training.evaluate.base): bits/byte of the base, the extended-untrained and the
+    continued model side by side."""
+    names = list(dict.fromkeys(n for row in comp["bits_per_byte"].values() for n in row))
+    vocab = (f"its {comp['base_vocab']:,} pieces extended to {comp['vocab']:,}" if comp["extended"]
+             else f"the same {comp['vocab']:,}-piece tokenizer")
+    lines = [f"{heading}# Against the base", "",
+             f"The run started from `{comp['folder']}` ({vocab}). Bits per byte of the same normalized text "
+             "(lower is better); the base is scored with its own tokenizer.", "",
+             "| language | " + " | ".join(names) + " | Δ model − base |", "|---|" + "---:|" * (len(names) + 1)]
+    for lang, row in comp["bits_per_byte"].items():
+        d = row["model"] - row["base"] if "model" in row and "base" in row else None
+        lines.append(f"| {lang} | " + " | ".join(_f(row.get(n)) for n in names) + f" | {_signed(d, 4)} |")
+    return [*lines, ""]
+
+
 def render_markdown(report: dict, *, heading: str = "##") -> str:
     step = f" (step {report['step']})" if report.get("step") is not None else ""
     lines = [f"{heading} Evaluation", "", f"Source: `{report['source']}`{step}", ""]
     models = report["models"]
     if any(m["lm"] for m in models):
         lines += _lm_table(models, heading)
+    if report.get("init_from"):
+        lines += _base_table(report["init_from"], heading)
     if any(m["mc"] for m in models):
         lines += _mc_table(models, heading)
     if any(m.get("wellformed") for m in models):

@@ -130,7 +130,8 @@ def reference_model(ctx: PreflightContext) -> Transformer:
 
 
 def eager_object(ctx: PreflightContext) -> torch.nn.Module:
-    """The trained object without torch.compile: the DDP/FSDP2-wrapped model (or the model itself)."""
+    """The trained object without torch.compile: the DDP/FSDP2-wrapped model (or the model itself); its
+    compiled blocks run eagerly only inside D.eager()."""
     return getattr(ctx.model, "_orig_mod", ctx.model)
 
 
@@ -273,21 +274,22 @@ def overfit_one_batch(ctx: PreflightContext, steps: int = OVERFIT_STEPS, drop: f
     losses: list[float] = []
     try:
         model.train()
-        for _ in range(steps + 1):
-            with ctx.autocast():
-                _, loss = model(x, y, loss_mask=mask)
-            lv = float(loss.item())
-            losses.append(lv)
-            done = not math.isfinite(lv) or min(losses) <= (1.0 - drop) * losses[0]
-            # one collective per step on every rank alike: the ranks still short of the target
-            pending = ctx.dist.ranks_where(not done, ctx.device) if _dist_enabled(ctx) else ([] if done else [0])
-            if not pending or len(losses) > steps:
-                break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
-            opt.step()
+        with D.eager():  # its rows are another shape: no compile, and no graph training could meet
+            for _ in range(steps + 1):
+                with ctx.autocast():
+                    _, loss = model(x, y, loss_mask=mask)
+                lv = float(loss.item())
+                losses.append(lv)
+                done = not math.isfinite(lv) or min(losses) <= (1.0 - drop) * losses[0]
+                # one collective per step on every rank alike: the ranks still short of the target
+                pending = ctx.dist.ranks_where(not done, ctx.device) if _dist_enabled(ctx) else ([] if done else [0])
+                if not pending or len(losses) > steps:
+                    break
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if clip > 0:
+                    torch.nn.utils.clip_grad_norm_(raw.parameters(), clip)
+                opt.step()
     finally:
         del opt
         zero_grads(raw)

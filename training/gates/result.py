@@ -40,6 +40,11 @@ class GateResult:
 class GateReport:
     results: list[GateResult] = field(default_factory=list)
     skipped_by_user: list[str] = field(default_factory=list)
+    # what the verdicts were reached under beyond the weights (device, dtype, compile, wrapping, world
+    # size; training.loop.preflight): a resume that changes it runs the gates again
+    setting: dict = field(default_factory=dict)
+    # this run's earlier reports (oldest first), kept when a resume ran the gates again
+    previous: list[dict] = field(default_factory=list)
 
     def extend(self, results: Iterable[GateResult]) -> None:
         self.results.extend(results)
@@ -78,7 +83,7 @@ class GateReport:
     def to_dict(self) -> dict:
         return {"prodip_gates": GATES_FORMAT, "passed": self.passed, "summary": self.summary(),
                 "skipped_by_user": self.skipped_by_user, "failed": [r.name for r in self.failed],
-                "results": [r.to_dict() for r in self.results]}
+                "results": [r.to_dict() for r in self.results], "setting": self.setting, "previous": self.previous}
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
@@ -98,7 +103,9 @@ class GateReport:
             layout.check_schema(r, f"{path}: results[{i}]", what, {"name": str, "passed": bool})
             results.append(GateResult(**{k: v for k, v in r.items() if k in fields_}))
         skipped = d.get("skipped_by_user", [])
-        report = cls(results, list(skipped) if isinstance(skipped, list) else [])
+        setting, previous = d.get("setting", {}), d.get("previous", [])
+        report = cls(results, list(skipped) if isinstance(skipped, list) else [],
+                     setting if isinstance(setting, dict) else {}, previous if isinstance(previous, list) else [])
         if report.passed != d["passed"]:
             raise layout.LayoutError(f"{path}: {what} says passed={d['passed']} but its results say otherwise "
                                      "(edited or damaged)")

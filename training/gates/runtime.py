@@ -63,7 +63,10 @@ def gradient_flow_from_grads(named_params: NamedParams) -> GateResult:
         ("no gradient", missing), ("non-finite gradient", nonfinite), ("all-zero gradient", zero),
         ("rows with zero gradient", dead)) if names]
     detail = "; ".join(parts) if parts else f"all {n} trainable parameters receive finite, nonzero gradients"
-    return GateResult("gradient_flow", bad == 0, value=float(n - bad), threshold=f"{n} of {n} parameters", detail=detail)
+    if not n:  # a gate that judged nothing has failed: no trainable parameter reached it
+        detail = "no trainable parameter to judge"
+    return GateResult("gradient_flow", bad == 0 and n > 0, value=float(n - bad), threshold=f"{n} of {n} parameters",
+                      detail=detail)
 
 
 class RuntimeMonitor:

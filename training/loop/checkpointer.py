@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
+import time
 from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,6 +61,7 @@ class Checkpointer:
         self.saved_step = 0
         self.keep: Callable[[], Container[int]] = tuple  # steps keep-N must not prune (the best, early stopping)
         self.mirror: Mirror | None = None  # a URL --out: each save, once handed to the writer, is uploaded
+        self.landing: dict | None = None  # rank 0: the save whose write is in flight, logged once it lands
 
     # ---------------------------------------------------------------- a URL --out (training.loop.mirror)
     def pull_remote(self, model_cfg: Any, force: bool) -> None:
@@ -114,9 +116,10 @@ class Checkpointer:
                              "budget to train on, or use another --out")
         return latest
 
-    def init_from(self, model: torch.nn.Module, tokenizer_sha: str) -> Path:
-        """--init: the weights of another run's checkpoint, of the same model and tokenizer."""
-        init = ckpt.load(self.cfg.init)
+    def init_from(self, model: torch.nn.Module, tokenizer_sha: str, path: str | Path = "") -> Path:
+        """--init: the weights of another run's checkpoint, of the same model and tokenizer (`path`: where a
+        URL --init was pulled)."""
+        init = ckpt.load(path or self.cfg.init)
         if init.config.to_dict() != model.cfg.to_dict():
             raise TrainError(f"--init {self.cfg.init}: its model config differs from this run's")
         if init.tokenizer.sha256 != tokenizer_sha:
@@ -215,6 +218,7 @@ class Checkpointer:
         gathering FSDP2 shards is a collective. The previous write must have succeeded (every rank learns if not)."""
         d = self.dist
         self.finish()
+        t0 = time.perf_counter()  # the training thread's stall, from here to the barrier
         bad = ckpt.nonfinite(local_state(views))  # on the device, before anything is gathered or copied
         if d.any(bool(bad), self.device):
             raise ckpt.CheckpointError(f"refusing to save step {step}: "
@@ -239,6 +243,10 @@ class Checkpointer:
                 self.mirror.checkpoint(step)
         d.barrier()
         self.saved_step = step
+        if d.is_main:
+            self.landing = {"step": step, "stall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+            if not self.cfg.async_checkpoints:  # written already: its event need not wait for the next finish()
+                self._log_landed(0.0)
 
     def finish(self, then: Callable[[], None] | None = None) -> None:
         """Block until rank 0's write in flight is on disk; its error is raised on every rank (one tiny
@@ -246,10 +254,12 @@ class Checkpointer:
         the wait and the collective."""
         error = None
         if self.dist.is_main:
+            t0 = time.perf_counter()
             try:
                 self.writer.wait()
             except Exception as e:  # a CheckpointError, or any other failure of the writer thread
-                error = e
+                error, self.landing = e, None
+            self._log_landed(time.perf_counter() - t0)
         if then is not None:
             then()
         if self.dist.any(error is not None, self.device):
@@ -262,6 +272,19 @@ class Checkpointer:
         else:
             with contextlib.suppress(ckpt.CheckpointError):
                 self.writer.close()
+
+    def _log_landed(self, waited_s: float) -> None:
+        """The event of the save just on disk, in log.jsonl: `stall_ms` the training thread spent in save()
+        (finite check, gather, copy to host, barrier; the whole write when synchronous), `write_s` the write's
+        own seconds (the writer thread's when asynchronous), `wait_ms` how long the loop later blocked for it
+        to land (0 when the write hid behind training steps), `bytes` its files' sizes on disk."""
+        rec, self.landing = self.landing, None
+        if rec is None or not self.writer.write_s:
+            return
+        path = self.out / layout.CHECKPOINTS / ckpt.step_dir_name(rec["step"])
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else 0
+        self.log({"event": "checkpoint", **rec, "write_s": round(self.writer.write_s[-1], 4),
+                  "wait_ms": round(waited_s * 1e3, 3), "bytes": size, "async": self.cfg.async_checkpoints})
 
     def timings(self) -> dict:
         """Seconds the loop was blocked per save, and each write's own seconds (for the summary)."""

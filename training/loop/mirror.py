@@ -29,7 +29,7 @@ from collections.abc import Callable, Container
 from pathlib import Path
 
 from training import distributed as D
-from training import layout, remote
+from training import layout, remote, remote_data
 from training.config import ConfigError, TrainConfig
 from training.loop.ranks import TrainError
 from training.model import ModelConfig
@@ -266,6 +266,8 @@ class Mirror:
         if self.start_over:
             r.remove(layout.CHECKPOINTS, recursive=True)
             r.remove(layout.LOG)
+            r.remove(remote.EXPORT_COMMIT)  # the old run's written-back exports: marker first
+            r.remove(layout.EXPORT, recursive=True)
             self.start_over = False
         return r
 
@@ -333,7 +335,7 @@ class Mirror:
 
 
 def pull_data(cfg: TrainConfig, kind: str, d: D.Dist, say: Callable[[str], None]) -> Path | None:
-    """A --data URL: the local folder it is pulled into, once and checked (rank 0 pulls; training.remote);
+    """A --data URL: the local folder it is pulled into, once and checked (rank 0 pulls; training.remote_data);
     None for a local --data."""
     if not remote.is_url(cfg.data):
         return None
@@ -341,7 +343,7 @@ def pull_data(cfg: TrainConfig, kind: str, d: D.Dist, say: Callable[[str], None]
         raise ConfigError(f"--data {cfg.data}: only a pretraining data folder (training.prepare) may be a URL")
     try:
         if d.is_main:
-            return remote.pull_data(cfg.data, say)
-        return remote.data_cache_dir("://".join(remote.split_url(cfg.data, "--data")))
+            return remote_data.pull_data(cfg.data, say)
+        return remote_data.data_cache_dir("://".join(remote.split_url(cfg.data, "--data")))
     except remote.RemoteError as e:
         raise TrainError(str(e)) from None

@@ -41,5 +41,8 @@ class PreemptionStop:
                                 if self.dist.is_main else "")
 
     def restore(self) -> None:
+        """The signal handlers as they were before install() (idempotent)."""
         if self.installed:
             self.signals.restore()
+
+    close = restore  # the Trainer closes its components alike

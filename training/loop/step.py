@@ -5,7 +5,8 @@ ModelViews holds the model in its three views, because each job needs another:
     `model`          the Transformer: named parameters, its config, what a checkpoint holds
     `wrapped`        after DDP/FSDP2 (`model` itself single-process and under FSDP2, whose
                      parameters are then sharded DTensors): gradient sync, clipping, full state dicts
-    `forward_model`  what a step calls: torch.compile(wrapped) with --compile, else `wrapped`
+    `forward_model`  what a step calls: `wrapped`, whose blocks --compile compiled in place before
+                     wrapping (training.distributed.compile_blocks); kept apart for callers that time it
 """
 
 from __future__ import annotations
@@ -98,18 +99,19 @@ class ModelViews:
 
 def build_views(model: Transformer, cfg: TrainConfig, d: D.Dist, device: torch.device,
                 new_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None) -> ModelViews:
-    """`model` (built on the CPU) moved to `device`, wrapped for DDP/FSDP2, compiled with --compile, and
-    its optimizer (training.optim.make_optimizer unless `new_optimizer` is given)."""
+    """`model` (built on the CPU) moved to `device`, its blocks compiled with --compile, wrapped for
+    DDP/FSDP2, and its optimizer (training.optim.make_optimizer unless `new_optimizer` is given)."""
     model.activation_checkpointing = cfg.activation_checkpointing
     model.to(device)
+    if cfg.compile:  # per block, before wrapping: the wrappers then never split the graph
+        D.compile_blocks(model)
     autocast = autocast_for(cfg, device)
     with autocast():  # bf16 compute: FSDP2 gathers bf16 weights and reduces gradients in fp32
         param_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     wrapped = D.wrap(model, d, fsdp=cfg.fsdp, device=device, param_dtype=param_dtype,
                      reshard_after_forward=cfg.fsdp_reshard_after_forward)
     opt = (new_optimizer or (lambda m: optim.make_optimizer(m, cfg, device)))(wrapped)
-    forward_model = torch.compile(wrapped) if cfg.compile else wrapped
-    return ModelViews(model, wrapped, forward_model, opt, autocast, device, param_dtype)
+    return ModelViews(model, wrapped, wrapped, opt, autocast, device, param_dtype)
 
 
 @dataclass

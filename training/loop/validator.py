@@ -24,15 +24,18 @@ class Validator:
 
     @torch.no_grad()
     def validate(self) -> dict:
+        """The validation loss, through the eager code of compiled blocks (D.eager): no second graph (no_grad,
+        a short last batch) compiled mid-run, no second graph's memory, and forward-only eager costs little."""
         fwd, v = self.views.forward_model, self.views
         was = fwd.training
         fwd.eval()
         losses = []
-        for batch in self.data.val(self.cfg.eval_batches):
-            x, y, mask = to_device(batch, v.device)
-            with v.autocast():
-                _, loss = fwd(x, y, loss_mask=mask, return_logits=False)  # the chunked loss: no logits held
-            losses.append(loss.float())
+        with D.eager():
+            for batch in self.data.val(self.cfg.eval_batches):
+                x, y, mask = to_device(batch, v.device)
+                with v.autocast():
+                    _, loss = fwd(x, y, loss_mask=mask, return_logits=False)  # the chunked loss: no logits held
+                losses.append(loss.float())
         fwd.train(was)
         val = self.dist.mean(torch.stack(losses).mean()).item()
         out = {"val_loss": val}
