@@ -4,7 +4,8 @@ tokenizer of 400 pieces + prodip's 3 special tokens + 64 Bangla pieces, EXT_STEP
 - `python -m training.evaluate RUN` judges the run against its base: held-out bits/byte of the base (its own
   tokenizer), the extended-but-untrained model and the continued model side by side;
 - `train.py --plan --init-from` plans the imported model's shape, not the preset's;
-- every export (HF, GGUF F16/Q8_0, ONNX) of the run passes parity."""
+- every export (HF, GGUF F16/Q8_0, ONNX) of the run passes parity;
+- SFT starts from the run and the PyTorch backend chats with the result."""
 
 from __future__ import annotations
 
@@ -186,3 +187,37 @@ def test_every_export_of_an_extended_run_passes_parity(init_extended_run, tmp_pa
     hf = transformers.AutoTokenizer.from_pretrained(out / "hf", local_files_only=True)
     for text in lines[:50]:
         assert hf.decode(hf(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_sft_and_serving_take_an_extended_run_as_any_other(init_extended_run, tmp_path, capsys):
+    """Item 5 of [init]: SFT starts from the --init-from run (its extended vocabulary and the chat template's
+    special tokens, which the extended tokenizer carries), and the PyTorch backend chats with the result."""
+    from fixtures_reliability import call_main
+
+    from serving import load
+    from serving.backend import SamplingParams
+    from serving.chat_session import chat_stream
+    from training import checkpoint as ckpt
+    from training.tokenizer import IM_END, IM_START
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"প্রশ্ন {i}?"},
+                                                      {"role": "assistant", "content": f"উত্তর {i}।"}]},
+                                        ensure_ascii=False) + "\n" for i in range(24)), encoding="utf-8")
+    sft = tmp_path / "sft"
+    rc, out, err = call_main("training.sft", ["--init", str(init_extended_run), "--data", str(chats), "--out", str(sft),
+                                              "--seq-len", "128", "--batch-size", "2", "--max-steps", "2",
+                                              "--eval-every", "0", "--device", "cpu", "--skip-gate", "throughput",
+                                              "--skip-gate", "tokenizer.balance"], capsys)
+    assert rc == 0, out[-2000:] + err[-2000:]
+    base, tuned = ckpt.load(init_extended_run), ckpt.load(sft)
+    assert tuned.config.to_dict() == base.config.to_dict()  # the extended shape, unchanged by SFT
+    assert tuned.tokenizer.sha256 == base.tokenizer.sha256
+    assert any(not torch.equal(v, base.weights[k]) for k, v in tuned.weights.items())  # it trained
+    prepared, stream = chat_stream(load(sft, "pytorch"), [{"role": "user", "content": "প্রশ্ন 3?"}],
+                                   SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert prepared.fallback is None  # the chat template applies: the run was tuned for chat
+    marks = {tuned.tokenizer.special_ids[IM_START], tuned.tokenizer.special_ids[IM_END]}
+    assert marks <= set(prepared.ids)  # each a single special id of the extended vocabulary
+    text = "".join(stream)
+    assert stream.stats.completion_tokens <= 8 and stream.stats.finish_reason in ("stop", "length"), text
