@@ -150,7 +150,7 @@ CLIS: dict[str, CLI] = {
                    frozenset({"--input", "--tokenizer", "--quality", "--decontaminate", "--extend-tokenizer"}),
                    frozenset({"--skip-gate", "--mix"}), frozenset({"--text-field", "--balance-range"}), OUT,
                    ("--input", "{corpus}", "--out", "{tmp}/out", "--vocab-size", "512")),
-    "evaluate": CLI("training.evaluate.cli", (MISSING,), frozenset({"--text", "--mc", "--prompts"}),
+    "evaluate": CLI("training.evaluate.cli", (MISSING,), frozenset({"--text", "--mc", "--prompts", "--base"}),
                     frozenset({"--device", "--prompt-format"}),
                     outputs=OUT, valid=("{run}", "--out", "{tmp}/e", "--no-twin")),
     "export": CLI("export.__main__", ("gguf", MISSING), frozenset({"--imatrix", "--texts"}),

@@ -87,6 +87,7 @@ def test_a_flag_reports_why_and_what_was_given() -> None:
     with pytest.raises(argparse.ArgumentTypeError) as e:
         convert("-2")
     assert str(e.value) == "Input should be greater than 0 (got '-2')"
+    assert convert.schema_type is PositiveInt  # how tests/test_hostile_sweep.py finds every number option
 
 
 # --------------------------------------------------------------------------------------- names

@@ -123,6 +123,7 @@ def flag(type_: Any) -> Callable[[str], Any]:
         except ValidationError as e:
             raise argparse.ArgumentTypeError(f"{first_problem(e)} (got {text!r})") from None
 
+    convert.schema_type = type_  # type: ignore[attr-defined]  # tests/test_hostile_sweep.py classifies options by it
     return convert
 
 

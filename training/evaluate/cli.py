@@ -119,6 +119,8 @@ def check_places(args: argparse.Namespace) -> None:
         check(Device, args.device, "--device")
     if args.base and args.no_base:
         raise EvalError("--base and --no-base: give one")
+    if args.base and not Path(args.base).is_dir():  # named before anything else is read
+        raise EvalError(f"--base {args.base}: no such folder")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise EvalError(f"--out {args.out} is a file, not a folder")
     if not (args.text or args.mc or args.prompts is not None) and not Path(args.path).exists():
