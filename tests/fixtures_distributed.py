@@ -11,8 +11,9 @@ ranks, both ranks step the gate's collectives alike until the budget ends, and b
 if it reads a checkpoint's tensors in full (safetensors' load_file): a resume must broadcast them
 from rank 0 instead of loading the whole state into every rank's memory.
 
-`torchrun … tests/fixtures_distributed.py compile_counters ARGS`: train.main, then one JSON line per rank
-with dynamo's counters (graphs, frames, graph breaks), also as they stood when each validation started.
+`torchrun … tests/fixtures_distributed.py compile_counters ARGS`: train.main, then one JSON file per rank
+(OUT.compile.rankN.json beside --out OUT) with dynamo's counters (graphs, frames, graph breaks), also
+as they stood when each validation started.
 
 `torchrun … tests/fixtures_distributed.py fused_adamw`: the fused AdamW kernel (what train.py uses on
 CUDA) stepping FSDP2's DTensor parameters agrees with the unfused one; prints one JSON line per rank.
@@ -90,8 +91,8 @@ def compile_counters(argv: list[str]) -> int:
     row = json.dumps({"rank": int(os.environ.get("RANK", "0")), "rc": rc,
                       "unique_graphs": counters["stats"]["unique_graphs"], "frames_ok": counters["frames"]["ok"],
                       "graph_breaks": dict(counters["graph_break"]), "at_validation": at_validation})
-    sys.stdout.write(row + "\n")  # one write per line: two ranks share the pipe
-    sys.stdout.flush()
+    out = Path(argv[argv.index("--out") + 1])  # a file per rank beside the run: the ranks share stdout
+    (out.parent / f"{out.name}.compile.rank{os.environ.get('RANK', '0')}.json").write_text(row + "\n")
     return rc
 
 
