@@ -23,6 +23,7 @@ import numpy as np
 import serving
 from serving.backend import Backend
 from serving.flags import backend_name
+from serving.llamacpp import read_gguf_info
 from serving.torch_backend import TorchBackend
 from training.cli import ArgumentParser, run_main
 from training.evaluate import (
@@ -70,17 +71,11 @@ class BackendProvider:
 
 def trained_context(path: Path) -> int | None:
     """`<arch>.context_length` of a GGUF file (None for other files): the context the model was trained
-    with, which llama.cpp may round up (to 256) although positions beyond it were never trained."""
+    with, which llama.cpp may round up (to 256) although positions beyond it were never trained. Read by
+    serving's one GGUF metadata reader, so a damaged file is its one line (ServingError), not a traceback."""
     if path.suffix != ".gguf":
         return None
-    import gguf
-
-    try:
-        r = gguf.GGUFReader(path)
-        arch = r.fields["general.architecture"].contents()
-        return int(r.fields[f"{arch}.context_length"].contents())
-    except (KeyError, ValueError, OSError):
-        return None
+    return read_gguf_info(path).context_length
 
 
 def load_kwargs(path: Path, backend: str | None, n_ctx: int | None, threads: int | None) -> dict:

@@ -566,17 +566,8 @@ def _damages(fc: FileCase) -> tuple[str, ...]:
 
 FILE_CASE_IDS = [(case, damage) for case, fc in FILE_CASES.items() for damage in _damages(fc)]
 # Found by the format-specific damages (#32), not fixed yet: strict, so a fix must delete its line here.
-_DTYPE = "a tensor of the wrong dtype behind a valid header (same byte count) is not refused by name"
-_SHAPE = "a matrix of the wrong shape behind a valid header reaches load_state_dict: traceback"
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("checkpoint optim.safetensors (resume)", "wrong-dtype"): _DTYPE,
-    ("checkpoint model.safetensors (resume)", "wrong-dtype"): _DTYPE,
-    ("checkpoint model.safetensors (export)", "wrong-dtype"): _DTYPE + " (export exits 0)",
-    ("checkpoint model.safetensors (evaluate)", "wrong-dtype"): _DTYPE,
-    ("checkpoint model.safetensors (export)", "tensor-shape"): _SHAPE,
-    ("checkpoint model.safetensors (evaluate)", "tensor-shape"): _SHAPE,
-    ("gguf (export.evaluate)", "gguf-header-cut"): "a GGUF cut inside its metadata: traceback (IndexError)",
-}
+# (Empty since stop 36: the six checkpoint dtype/shape gaps and the GGUF cut inside its metadata are fixed.)
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 FILE_PARAMS = [pytest.param(c, d, id=f"{c} [{d}]", marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[c, d])]
                             if (c, d) in KNOWN_GAPS else []) for c, d in FILE_CASE_IDS]
 

@@ -212,7 +212,13 @@ def _torchrun(argv: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
-def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tmp_path, start):
+@pytest.mark.parametrize("to", ["rank1", "agent"])
+def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tmp_path, start, to):
+    """`rank1`: SIGUSR1 to rank 1 alone (SLURM's --signal reaches the workers): rank 0 learns it through the
+    step's all-reduce. `agent`: SIGTERM to torchrun itself, as a cloud provider or Kubernetes sends it: the
+    agent forwards it to every worker and SIGKILLs them --shutdown-timeout later. Either way both ranks
+    stop after the same step, rank 0 writes its checkpoint, and the resumed run equals an uninterrupted one."""
+    sig = "SIGUSR1" if to == "rank1" else "SIGTERM"
     ref, run = tmp_path / "ref", tmp_path / "run"
     argv = _torchrun_argv(bn_data, run)
     reference = start(_torchrun_argv(bn_data, ref), tmp_path / "ref.log")  # alongside: it needs no signal
@@ -221,16 +227,20 @@ def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tm
     _wait_for(lambda: len(_step_records(run)) >= SIGNAL_AFTER, p, f"{SIGNAL_AFTER} steps")
     workers = _workers(p.pid)
     assert sorted(workers) == [0, 1], workers
-    os.kill(workers[1], signal.SIGUSR1)  # rank 1 alone: rank 0 must learn it and stop at the same step
+    if to == "rank1":
+        os.kill(workers[1], signal.SIGUSR1)  # rank 1 alone: rank 0 must learn it and stop at the same step
+    else:
+        p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=TIMEOUT_S) != 0  # torchrun reports a worker that exited non-zero as a failure (1)
     assert reference.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     out = log.read_text()
     n = ckpt.step_of(ckpt.latest(run))
     assert SIGNAL_AFTER <= n < STEPS, out
-    assert out.count(PREEMPTED.format(n=n, sig="SIGUSR1", ck=ckpt.step_dir_name(n))) == 1, out  # rank 0's line
-    assert "rank 1: SIGUSR1 received" in out and "rank 0: SIGUSR1 received" not in out, out
+    assert out.count(PREEMPTED.format(n=n, sig=sig, ck=ckpt.step_dir_name(n))) == 1, out  # rank 0's line
+    if to == "rank1":
+        assert "rank 1: SIGUSR1 received" in out and "rank 0: SIGUSR1 received" not in out, out
+        assert out.count(f"exitcode  : {EXIT_PREEMPTED} ") == 2, out  # both workers, also the one torchrun SIGTERMed
     assert "training/trainer.py" not in out, out  # no worker traceback (torchrun prints one of its own)
-    assert out.count(f"exitcode  : {EXIT_PREEMPTED} ") == 2, out  # both workers, also the one torchrun SIGTERMed
     assert [r["step"] for r in _step_records(run)] == list(range(1, n + 1))
     assert [ckpt.step_of(c) for c in ckpt.list_checkpoints(run)] == [n]
 
@@ -288,6 +298,24 @@ def test_nonfinite_state_is_refused_before_any_copy(tiny_state, tmp_path):
         _save(w, tmp_path, 1, model, cfg, tok, moments, groups)
     w.close()
     assert not (tmp_path / layout.CHECKPOINTS).exists() and not w._buffers
+
+
+def test_nonfinite_names_exactly_the_tensors_holding_nan_or_inf():
+    """The finite check sums each tensor first (fast), so its two traps are pinned: a NaN/inf anywhere
+    (first, middle, last element; fp32, bf16, fp16) is found, and finite values whose sum overflows
+    (3e38 + 3e38 in fp32, 6e4 + 6e4 in fp16) are not called non-finite."""
+    ok = {"big32": torch.full((4,), 3e38), "big16": torch.full((3,), 6e4, dtype=torch.float16),
+          "empty": torch.zeros(0), "ints": torch.arange(5), "plain": torch.randn(1000)}
+    assert ckpt.nonfinite(ok) == []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for pos in (0, 517, 999):
+                t = torch.randn(1000).to(dtype)
+                t[pos] = bad
+                assert ckpt.nonfinite({**ok, "x": t}) == ["x"], (dtype, bad, pos)
+    opposite = torch.randn(10)
+    opposite[2], opposite[7] = float("inf"), float("-inf")  # the sum is NaN, not inf
+    assert ckpt.nonfinite({"y": opposite}) == ["y"]
 
 
 def test_a_failed_background_write_is_raised_at_the_next_save_and_at_the_end(tiny_state, tmp_path):

@@ -168,11 +168,14 @@ def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
         raise CheckpointError(f"{c}: tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
     if state.get("tokenizer_sha256") not in (None, tok.sha256):
         raise CheckpointError(f"{c}: tokenizer.model does not match the tokenizer the weights were trained with")
+    with torch.device("meta"):  # the config's names and shapes, without allocating a model
+        check_fits(Transformer(cfg), weights, c / MODEL_FILE)
     return Checkpoint(c, cfg, weights, state, tok)
 
 
 def check_fits(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
-    """Every weight of `model` in `weights` with its shape (the tied head may be absent), before loading."""
+    """Every weight of `model` in `weights` with its shape and a floating-point dtype (the tied head may be
+    absent), before loading."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
         expected.pop("output.weight", None)
@@ -182,6 +185,10 @@ def check_fits(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: 
     if missing or unexpected or wrong:
         raise CheckpointError(f"{where}: weights do not fit the model: missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}, wrong shape {wrong[:3]}")
+    # a header that says I32 over a float payload of the same size reads without an error: only the dtype tells
+    not_float = sorted(k for k, v in weights.items() if not v.dtype.is_floating_point)
+    if not_float:
+        raise CheckpointError(f"{where}: weights are not floating point: {not_float[0]} is {weights[not_float[0]].dtype}")
 
 
 def check_optimizer_fits(params: list[tuple[str, torch.nn.Parameter]], tensors: dict[str, torch.Tensor],
@@ -196,6 +203,8 @@ def check_optimizer_fits(params: list[tuple[str, torch.nn.Parameter]], tensors: 
             t = tensors.get(f"{name}/{moment}")
             if t is None:
                 raise CheckpointError(f"{where}: no optimizer state {name}/{moment}")
+            if not t.dtype.is_floating_point:  # AdamW keeps its moments and its step count as floats
+                raise CheckpointError(f"{where}: optimizer state {name}/{moment} is {t.dtype}, not floating point")
             if moment != "step" and tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{where}: optimizer state {name}/{moment} has shape {tuple(t.shape)}, "
                                       f"the parameter {tuple(p.shape)}")

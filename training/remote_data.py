@@ -53,7 +53,7 @@ def _md5_ok(path: Path, etag: str) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(dest: Path) -> Iterator[None]:
+def locked(dest: Path) -> Iterator[None]:
     """One puller of `dest` at a time on this machine (an flock, released when the process dies)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest.with_name(dest.name + ".lock"), "w") as f:
@@ -83,7 +83,7 @@ def pull_data(url: str, say: Callable[[str], None], flag: str = "--data") -> Pat
     warning); else RemoteError."""
     r = Remote(url, flag)
     dest = data_cache_dir(r.url)
-    with _locked(dest):
+    with locked(dest):
         return _pull(r, dest, say, flag)
 
 
@@ -127,5 +127,5 @@ def local_init(init: str, say: Callable[[str], None], flag: str = "--init") -> s
     time (torchrun's ranks take turns; the second finds the copy); a local path is kept as given."""
     if not is_url(init):
         return init
-    with _locked(cache_dir(Remote(init, flag).url)):
+    with locked(cache_dir(Remote(init, flag).url)):
         return str(pull_run(init, None, say, flag=flag))

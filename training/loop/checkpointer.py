@@ -23,6 +23,7 @@ from training import checkpoint as ckpt
 from training import distributed as D
 from training import layout, optim
 from training.config import TrainConfig
+from training.loop import mirror_nodes
 from training.loop.mirror import Mirror
 from training.loop.ranks import USER_ERRORS, TrainError, agreed
 from training.loop.step import ModelViews
@@ -65,10 +66,12 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- a URL --out (training.loop.mirror)
     def pull_remote(self, model_cfg: Any, force: bool) -> None:
-        """The URL holds this run or nothing (else refused); its newest committed checkpoint pulled into the cache."""
+        """The URL holds this run or nothing (else refused); its newest committed checkpoint pulled into the
+        cache; on several nodes rank 0's resume checkpoint into every node's cache (loop.mirror_nodes)."""
         if (m := self.mirror) is not None:
             agreed(self.dist, self.device, f"reading --out {m.url}",
                    lambda: m.prepare(model_cfg, force) if self.dist.is_main else None)
+            mirror_nodes.share(m, model_cfg, self.device)
 
     def start_mirror(self) -> None:
         """Uploads start once the run folder is written: nothing before the checks."""

@@ -7,6 +7,10 @@ committed remote checkpoint that is newer than the cache's, with the run files (
 new machine: the run resumes where the remote one stopped). A store that does not answer at start
 is not bad input: the run trains locally and the uploads are retried.
 
+Several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE): each node trains in its own cache, rank 0
+alone writes and uploads, and at start every other node pulls the checkpoint rank 0 resumes from,
+committed first when only node 0 had it (training.loop.mirror_nodes, run by Checkpointer.pull_remote).
+
 During the run, rank 0's background thread uploads each checkpoint once its folder is renamed into
 place (complete by construction, training.checkpoint): its files are hard-linked into a staging
 folder first (keep-N may prune the local one meanwhile), uploaded, then the run files (log.jsonl up to
@@ -48,11 +52,11 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
-class _Refused(Exception):  # noqa: N818 (a refusal, raised inside the thread)
+class Refused(Exception):  # noqa: N818 (a refusal, raised inside the thread)
     pass
 
 
-def _step_name(step: int) -> str:
+def step_name(step: int) -> str:
     return f"{layout.STEP_PREFIX}{step:07d}"
 
 
@@ -80,9 +84,6 @@ class Mirror:
         """None for a local --out; else the mirror, its URL checked (TrainError: one line, nothing written)."""
         if not remote.is_url(cfg.out):
             return None
-        if (d.local_world_size or d.world_size) < d.world_size:
-            raise TrainError(f"--out {cfg.out}: a URL run folder is not supported across nodes yet; give each "
-                             "node a local --out, or train on one node")
         cache = Path(cfg.cache).expanduser() if cfg.cache else remote.cache_dir(cfg.out)
         if cache.exists() and not cache.is_dir():
             raise TrainError(f"--cache {cache} is a file, not a folder")
@@ -181,7 +182,7 @@ class Mirror:
                     self._files_due = True
                 elif len(self._queue) > 1 and self._queue[0] == step:  # superseded while the store was down
                     self._queue.popleft()
-                    shutil.rmtree(self.cache / STAGING / _step_name(step), ignore_errors=True)
+                    shutil.rmtree(self.cache / STAGING / step_name(step), ignore_errors=True)
                 if self._closing and time.monotonic() > self._deadline:
                     return
                 self._cv.wait(delay)
@@ -191,10 +192,10 @@ class Mirror:
         """One upload (checkpoint `step`, or the run files): True when done (or refused for good)."""
         try:
             if step is not None:
-                self._upload_checkpoint(step)
+                self.upload_checkpoint(step)
             else:
                 self._upload_run_files()
-        except _Refused as e:  # the store holds another run (seen once it answered): no upload at all
+        except Refused as e:  # the store holds another run (seen once it answered): no upload at all
             self.refused = str(e)
             self.say(f"warning: {e}; nothing is uploaded, the run goes on in {self.cache}")
             return True
@@ -213,21 +214,24 @@ class Mirror:
                 self._queue.popleft()
         return True
 
-    def _upload_checkpoint(self, step: int) -> None:
-        name = _step_name(step)
+    def upload_checkpoint(self, step: int, prune: bool = True) -> bool:
+        """Checkpoint `step`, then its marker; False when it was gone before it could be staged."""
+        name = step_name(step)
         staged = self.cache / STAGING / name
         if not staged.is_dir() and not self._snapshot(step, staged):
-            return  # failed or pruned before it could be taken: a newer checkpoint supersedes it
+            return False  # failed or pruned before it could be taken: a newer checkpoint supersedes it
         r = self._verified()
         self._upload_run_files()  # log.jsonl holds this step's record: it is up before the marker is
         r.upload_checkpoint(staged, step)
         self.committed_step = max(self.committed_step, step)
         shutil.rmtree(staged, ignore_errors=True)
-        self._prune()
+        if prune:
+            self._prune()
+        return True
 
     def _snapshot(self, step: int, staged: Path) -> bool:
         """Hard links to the checkpoint's files once its folder is in place; False when it never will be."""
-        folder = self.cache / layout.CHECKPOINTS / _step_name(step)
+        folder = self.cache / layout.CHECKPOINTS / step_name(step)
         while not folder.is_dir():
             with self._cv:  # a newer save, or the end, means its write is over (the writer waited for it)
                 over = self._closing or any(s > step for s in self._queue)
@@ -259,9 +263,9 @@ class Mirror:
             theirs = r.read_json(layout.RUN_CONFIG, "run config") if layout.RUN_CONFIG in names else None
             mine = layout.read_run_config(self.cache) or {}
             if theirs is not None and theirs.get("model") != mine.get("model") and not self.start_over:
-                raise _Refused(f"{self.url} holds a run with another model config")
+                raise Refused(f"{self.url} holds a run with another model config")
             if theirs is None and names and layout.RUN_MARKER not in names and not self.start_over:
-                raise _Refused(f"{self.url} is not empty and is not a prodip run (it holds {names[0]!r})")
+                raise Refused(f"{self.url} is not empty and is not a prodip run (it holds {names[0]!r})")
             self._checked = True
         if self.start_over:
             r.remove(layout.CHECKPOINTS, recursive=True)
@@ -293,7 +297,7 @@ class Mirror:
         keep = self.keep()
         doomed = [s for s in steps[:-keep_last] if s not in keep] if keep_last > 0 else []
         for s in doomed:
-            self.remote.remove_checkpoint(_step_name(s))
+            self.remote.remove_checkpoint(step_name(s))
         for name in partial:
             if int(name[len(layout.STEP_PREFIX):]) < newest:
                 self.remote.remove_checkpoint(name)
@@ -335,14 +339,14 @@ class Mirror:
 
 
 def pull_data(cfg: TrainConfig, kind: str, d: D.Dist, say: Callable[[str], None]) -> Path | None:
-    """A --data URL: the local folder it is pulled into, once and checked (rank 0 pulls; training.remote_data);
-    None for a local --data."""
+    """A --data URL: the local folder it is pulled into, once and checked (each node's local rank 0 pulls,
+    one process at a time per machine; training.remote_data); None for a local --data."""
     if not remote.is_url(cfg.data):
         return None
     if kind != "pretrain":
         raise ConfigError(f"--data {cfg.data}: only a pretraining data folder (training.prepare) may be a URL")
     try:
-        if d.is_main:
+        if d.local_rank == 0:  # every node needs the copy on its own disk; the others wait in agreed()
             return remote_data.pull_data(cfg.data, say)
         return remote_data.data_cache_dir("://".join(remote.split_url(cfg.data, "--data")))
     except remote.RemoteError as e:
