@@ -107,6 +107,15 @@ def bucket(server: S3Server, name: str) -> str:
     return name
 
 
+def committed_steps(fs, root: str) -> list[int]:
+    """Steps whose commit marker is in the store (read by the test's own client)."""
+    fs.invalidate_cache()
+    if not fs.exists(f"{root}/checkpoints"):
+        return []
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", refresh=True)]
+    return sorted(int(n[5:12]) for n in names if n.endswith(".commit.json"))
+
+
 def no_secret(*texts: str, roots: tuple[Path, ...] = (), fs=None, remote_root: str = "") -> None:
     """The secret key is in no output, no file under `roots`, no object under `remote_root`."""
     for t in texts:

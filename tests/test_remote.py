@@ -32,7 +32,7 @@ import pytest
 import torch
 from conftest import stop
 from fixtures_reliability import REPO, SHRINK, call_main, child_env, one_error, train_argv, tree_digest
-from fixtures_remote import TIMEOUT_S, bucket, no_secret, remote_argv, remote_env
+from fixtures_remote import TIMEOUT_S, bucket, committed_steps, no_secret, remote_argv, remote_env
 from safetensors.torch import load_file
 
 from training import layout
@@ -49,15 +49,6 @@ FAST_RETRY = {"PRODIP_MIRROR_BACKOFF_MAX_S": "0.5"}
 def _curve(log: str) -> list[tuple[int, float, float]]:
     recs = [json.loads(line) for line in log.splitlines() if line.strip()]
     return [(r["step"], r["loss"], r["grad_norm"]) for r in recs if "loss" in r and "step" in r]
-
-
-def _committed(fs, root: str) -> list[int]:
-    """Steps whose commit marker is in the store (read by the test's own client)."""
-    fs.invalidate_cache()
-    if not fs.exists(f"{root}/checkpoints"):
-        return []
-    names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", refresh=True)]
-    return sorted(int(n[5:12]) for n in names if n.endswith(".commit.json"))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +89,7 @@ def test_kill9_mid_upload_then_resume_on_an_empty_cache_is_bit_exact(bn_data, re
         s3_server.release.set()  # the held request fails: the file never lands
     time.sleep(0.2)
     s3_server.release.clear()
-    assert _committed(fs, "kill9/runs/r1") == [2, 4]
+    assert committed_steps(fs, "kill9/runs/r1") == [2, 4]
     assert fs.exists("kill9/runs/r1/checkpoints/step_0000006/model.safetensors")  # a partial upload is there
 
     r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache2"), cwd=REPO, env=remote_env(s3_server),
@@ -110,7 +101,7 @@ def test_kill9_mid_upload_then_resume_on_an_empty_cache_is_bit_exact(bn_data, re
     assert [s for s, _, _ in want] == list(range(1, STEPS + 1))
     assert _curve((tmp_path / "cache2" / layout.LOG).read_text()) == want, "per-step losses differ"
     assert _curve(fs.cat_file("kill9/runs/r1/log.jsonl").decode()) == want, "the mirrored log differs"
-    assert _committed(fs, "kill9/runs/r1") == [4, 6, 8]  # --keep-last 3 pruned the store too
+    assert committed_steps(fs, "kill9/runs/r1") == [4, 6, 8]  # --keep-last 3 pruned the store too
     remote_w = tmp_path / "w.safetensors"
     fs.get_file("kill9/runs/r1/checkpoints/step_0000008/model.safetensors", str(remote_w))
     a, b = load_file(str(remote_w)), load_file(str(reference / "checkpoints/step_0000008/model.safetensors"))
@@ -135,11 +126,11 @@ def test_sigterm_commits_the_checkpoint_before_exit_and_a_new_machine_resumes(bn
     out = (tmp_path / "first.log").read_text()
     n = int(out.split("preempted at step ")[1].split()[0])
     assert 3 <= n < steps and "Traceback" not in out, out
-    assert _committed(fs, "sigterm/run") == [n], out  # uploaded and committed before the process exited
+    assert committed_steps(fs, "sigterm/run") == [n], out  # uploaded and committed before the process exited
     r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache2", steps=n + 2, save_every=0), cwd=REPO,
                        env=remote_env(s3_server), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"(step {n}," in r.stdout and _committed(fs, "sigterm/run") == [n, n + 2], r.stdout
+    assert f"(step {n}," in r.stdout and committed_steps(fs, "sigterm/run") == [n, n + 2], r.stdout
 
 
 def test_a_server_that_stops_mid_run_is_retried_and_caught_up(bn_data, s3_server, tmp_path):
@@ -147,7 +138,7 @@ def test_a_server_that_stops_mid_run_is_retried_and_caught_up(bn_data, s3_server
     cache = tmp_path / "cache"
     p = _start(remote_argv(bn_data, url, cache), tmp_path / "run.log", remote_env(s3_server, **FAST_RETRY))
     try:
-        _wait(lambda: 2 in _committed(fs, "outage/run"), p, "the first commit")
+        _wait(lambda: 2 in committed_steps(fs, "outage/run"), p, "the first commit")
         s3_server.stop()
         try:  # training goes on locally: every step is trained and checkpointed while the store is down
             _wait(lambda: (cache / "checkpoints" / "step_0000008").is_dir(), p, "the last local checkpoint")
@@ -162,7 +153,7 @@ def test_a_server_that_stops_mid_run_is_retried_and_caught_up(bn_data, s3_server
     out = (tmp_path / "run.log").read_text()
     assert out.count("warning: uploading to") == 1, out  # one warning line for the outage
     assert f"uploads to {url} resumed" in out and "Traceback" not in out, out
-    assert _committed(fs, "outage/run")[-1] == STEPS, out
+    assert committed_steps(fs, "outage/run")[-1] == STEPS, out
     assert _curve(fs.cat_file("outage/run/log.jsonl").decode()) == _curve((cache / layout.LOG).read_text())
 
 

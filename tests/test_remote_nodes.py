@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from fixtures_reliability import tree_digest
-from fixtures_remote import bucket, no_secret
+from fixtures_remote import bucket, committed_steps, no_secret
 from test_distributed import COMMON, STEPS, torchrun_nodes
 
 from training import checkpoint as ckpt
@@ -46,14 +46,6 @@ def _args(data: Path, url: str, cache: Path, *extra: str) -> list[str]:
 def _curve(run: Path) -> list[tuple]:
     recs = [json.loads(x) for x in (run / layout.LOG).read_text().splitlines() if x.strip()]
     return [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in recs if "loss" in r]
-
-
-def _committed(fs, root: str) -> list[int]:
-    fs.invalidate_cache()
-    if not fs.exists(f"{root}/checkpoints"):
-        return []
-    names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", refresh=True)]
-    return sorted(int(n[5:12]) for n in names if n.endswith(".commit.json"))
 
 
 def _nodes(data: Path, url: str, caches: list[Path], *extra: str) -> list[subprocess.CompletedProcess]:
@@ -97,7 +89,7 @@ def reference(bn_data, s3_server, tmp_path_factory) -> Path:
         bucket(s3_server, "nodes")
         _ok(_nodes(bn_data, "s3://nodes/ref", [root / "r0", root / "r1"]))
     assert [s for s, *_ in _curve(root / "r0")] == list(range(1, STEPS + 1))
-    assert _committed(s3_server.fs(), "nodes/ref") == [2, 4, 6, 8]
+    assert committed_steps(s3_server.fs(), "nodes/ref") == [2, 4, 6, 8]
     assert not (root / "r1").exists()  # a fresh start: node 1's cache is never written (rank 0 alone writes)
     return root / "r0"
 
@@ -105,7 +97,7 @@ def reference(bn_data, s3_server, tmp_path_factory) -> Path:
 def test_two_nodes_resume_from_the_store_on_new_empty_caches(bn_data, reference, aws, tmp_path):
     fs, url = aws.fs(), "s3://nodes/t1"
     _ok(_nodes(bn_data, url, [tmp_path / "a0", tmp_path / "a1"], "--stop-at", "2"))
-    assert _committed(fs, "nodes/t1") == [2]
+    assert committed_steps(fs, "nodes/t1") == [2]
     assert not (tmp_path / "a1").exists()
 
     node0, node1 = _nodes(bn_data, url, [tmp_path / "b0", tmp_path / "b1"])  # two new machines: empty caches
@@ -117,7 +109,7 @@ def test_two_nodes_resume_from_the_store_on_new_empty_caches(bn_data, reference,
     assert tree_digest(tmp_path / "b1" / "checkpoints" / name) == tree_digest(tmp_path / "a0" / "checkpoints" / name)
     assert (tmp_path / "b1" / layout.RUN_CONFIG).read_bytes() == (tmp_path / "a0" / layout.RUN_CONFIG).read_bytes()
     assert _curve(tmp_path / "b0") == _curve(reference), "per-step losses differ from the uninterrupted run"
-    assert _committed(fs, "nodes/t1") == [2, 4, 6, 8]
+    assert committed_steps(fs, "nodes/t1") == [2, 4, 6, 8]
     no_secret(node0.stdout, node0.stderr, node1.stdout, node1.stderr, roots=(tmp_path,), fs=fs, remote_root="nodes/t1")
 
 
@@ -125,7 +117,7 @@ def test_node_0s_newer_checkpoint_is_committed_first_then_both_nodes_resume_from
                                                                                        tmp_path):
     fs, url = aws.fs(), "s3://nodes/t2"
     _copy_store(fs, "nodes/ref", "nodes/t2", drop=(6, 8), uncommit=(4,))  # the store went down before step 4's marker
-    assert _committed(fs, "nodes/t2") == [2]
+    assert committed_steps(fs, "nodes/t2") == [2]
     cache0 = tmp_path / "c0"
     shutil.copytree(reference, cache0)  # node 0's machine: its cache stopped at step 4
     for s in (6, 8):
@@ -139,7 +131,7 @@ def test_node_0s_newer_checkpoint_is_committed_first_then_both_nodes_resume_from
     assert [p.name for p in (tmp_path / "d1" / "checkpoints").iterdir()] == [name]
     assert tree_digest(tmp_path / "d1" / "checkpoints" / name) == tree_digest(reference / "checkpoints" / name)
     assert _curve(cache0) == _curve(reference), "per-step losses differ from the uninterrupted run"
-    assert _committed(fs, "nodes/t2") == [2, 4, 6, 8]
+    assert committed_steps(fs, "nodes/t2") == [2, 4, 6, 8]
 
 
 def _closed_port() -> int:
