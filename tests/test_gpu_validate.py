@@ -77,6 +77,17 @@ def test_sdpa_probe_names_the_kernel_dispatch_chose() -> None:
         assert any(op.endswith("_backward") for op in probe["sdpa_ops"]), probe
 
 
+def test_sdpa_probe_without_gqa_has_one_form(monkeypatch) -> None:
+    """n_kv_heads == n_heads: shared and expanded K/V are the same call, so only one form is timed."""
+    import training.model as M
+
+    real = M.preset
+    monkeypatch.setattr(M, "preset", lambda name, **kw: real(name, **{**kw, "n_kv_heads": real(name).n_heads}))
+    probe = gv.sdpa_backends("tiny", 16, 1, "cpu", reps=1)
+    assert probe["sdpa_expanded_fwd_bwd_ms"] is None and probe["sdpa_fastest_expanded"] is None
+    assert probe["sdpa_best"].endswith(" (enable_gqa)") and "(kv 4)" in probe["sdpa_shape"]
+
+
 def test_dry_run_on_cpu_writes_every_phase(tmp_path: Path, capsys) -> None:
     """Every phase runs; train.py refuses the missing data folder (exit 2), which the results say,
     and the measure phase reports no speed rather than a made-up one."""
@@ -98,6 +109,17 @@ def test_dry_run_on_cpu_writes_every_phase(tmp_path: Path, capsys) -> None:
     # each SDPA backend forced and timed: CPU has math (and its flash kernel), never cuDNN
     assert r["sdpa_fwd_bwd_ms"]["math"] > 0 and r["sdpa_fwd_bwd_ms"]["cudnn_attention"].startswith("unavailable")
     assert r["sdpa_fastest"] in r["sdpa_fwd_bwd_ms"]
+    # and again with K/V pre-expanded (repeat_interleave) instead of enable_gqa: the best of both named
+    assert r["sdpa_expanded_fwd_bwd_ms"]["math"] > 0
+    assert r["sdpa_expanded_fwd_bwd_ms"]["cudnn_attention"].startswith("unavailable")
+    assert r["sdpa_fastest_expanded"] in r["sdpa_expanded_fwd_bwd_ms"]
+    backend, form = r["sdpa_best"].removesuffix(")").split(" (")
+    ms = r["sdpa_fwd_bwd_ms" if form == "enable_gqa" else "sdpa_expanded_fwd_bwd_ms"][backend]
+    assert form in {"enable_gqa", "expanded"} and ms == min(
+        v for m in (r["sdpa_fwd_bwd_ms"], r["sdpa_expanded_fwd_bwd_ms"]) for v in m.values() if isinstance(v, float))
+    # the block's projections timed fused and unfused; CPU does not fuse by default
+    assert r["proj_fwd_bwd_ms"]["fused"] > 0 and r["proj_fwd_bwd_ms"]["unfused"] > 0
+    assert r["proj_fused_default"] is False
     # peak memory: no CUDA counter here, but the plan's estimate for the model that ran
     assert r["peak_mem_gb"] is None and r["eager_peak_mem_gb"] is None and r["peak_mem_estimate_gb"] > 0
     assert r["gates"] == [] and r["train_timeout_s"] > 0

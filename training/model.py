@@ -5,7 +5,9 @@
 Attention is grouped-query (n_kv_heads <= n_heads, each K/V head shared by n_heads/n_kv_heads query
 heads) with rotate-half RoPE: q' = q*cos + rotate_half(q)*sin, inv_freq_i = theta^(-2i/head_dim),
 computed through `F.scaled_dot_product_attention` (flash/memory-efficient kernels on CUDA).
-No biases; embeddings optionally tied to the output head.
+No biases; embeddings optionally tied to the output head. On CUDA q/k/v (and gate/up) run as one GEMM
+each over the concatenated weights (`fuse_gemms`), the parameters staying separate; under autocast
+the residual stream is bf16 (`Transformer.embed`), RMSNorm computing in fp32 either way.
 
 Parameter names follow Meta's Llama layout; `export.names` maps them to Hugging Face and GGUF.
 """
@@ -189,6 +191,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
 
 
+# Fused projections: Attention computes q, k, v with one GEMM against cat([wq, wk, wv]) and FeedForward
+# gate and up with one against cat([w1, w3]); the parameters stay separate nn.Linear modules (checkpoint,
+# optimizer state, FSDP2, export names unchanged) and the cat is redone each forward, its backward a
+# split. The cat copies the weights once per call, which a GEMM of enough rows amortizes (training,
+# prefill) and a decode step of one token per sequence does not: below FUSE_MIN_ROWS rows the three
+# GEMMs run as before. FUSE_DEVICES: where the one GEMM pays (docs/scale.md, "Fused projections").
+FUSE_MIN_ROWS = 256
+FUSE_DEVICES = ("cuda",)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def plain_linear(m: nn.Module) -> bool:
+    """Calling `m` is exactly F.linear(x, m.weight): an nn.Linear itself (not a subclass: a quantized or
+    float8 Linear, a parametrization), its forward not replaced on the instance, no bias, and no hook
+    that would expect to see the call (export.imatrix_torch's pre-hooks, a debugger's)."""
+    return (type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+
+
+def fuse_gemms(x: torch.Tensor, *mods: nn.Module) -> bool:
+    """Whether `mods` (projections of the same input x) run as one fused GEMM: on FUSE_DEVICES, for at
+    least FUSE_MIN_ROWS rows, never while exporting or tracing (the ONNX graph keeps one MatMul per
+    named weight, export.onnx_graph's initializer plan), and only when each module is plain_linear."""
+    if x.device.type not in FUSE_DEVICES or x.numel() < FUSE_MIN_ROWS * x.shape[-1]:
+        return False
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting():
+        return False
+    glob = torch.nn.modules.module
+    return not any(getattr(glob, h) for h in _GLOBAL_HOOKS) and all(plain_linear(m) for m in mods)
+
+
+def fused_linear(x: torch.Tensor, *mods: nn.Linear) -> torch.Tensor:
+    """x @ cat([m.weight for m in mods]).T: the outputs of `mods` side by side, in one GEMM. Under
+    autocast each weight is cast before the cat, so the copy is made in the compute dtype (as
+    nn.Linear's own cast would be), not in fp32 and then cast again."""
+    dev = x.device.type
+    ws = [m.weight for m in mods]
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        ws = [w.to(dtype) for w in ws]
+    return F.linear(x, torch.cat(ws))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -205,9 +251,14 @@ class Attention(nn.Module):
         shape (B, 1, T, P+T) that SDPA applies as given. Returns (out, (k, v) incl. past).
         """
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if fuse_gemms(x, self.wq, self.wk, self.wv):  # one GEMM against [wq; wk; wv], split after
+            kv = self.n_kv_heads * self.head_dim
+            q, k, v = fused_linear(x, self.wq, self.wk, self.wv).split((self.n_heads * self.head_dim, kv, kv), -1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if past_kv is not None:
             k = torch.cat((past_kv[0], k), dim=2)
@@ -239,7 +290,11 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)  # up
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if fuse_gemms(x, self.w1, self.w3):  # one GEMM against [w1; w3], split after
+            gate, up = fused_linear(x, self.w1, self.w3).chunk(2, dim=-1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -281,6 +336,17 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start. Under autocast it is kept in the compute dtype (bf16): each
+        block adds its bf16 output to a bf16 stream, as FSDP2's bf16 parameters do, instead of
+        promoting the stream to fp32 at every addition; RMSNorm still computes in fp32. Without
+        autocast (fp32 training, serving, export) the stream is the parameters' dtype, as before."""
+        x = self.tok_embeddings(idx)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and x.is_floating_point():
+            x = x.to(torch.get_autocast_dtype(dev))
+        return x
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,
                 reduction: str = "mean", return_logits: bool | None = None):
         """Training/eval path over full causal windows. Returns logits, or (logits, loss) with targets.
@@ -293,7 +359,7 @@ class Transformer(nn.Module):
         T = idx.shape[1]
         pos = torch.arange(T, device=idx.device)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
-        x = self.tok_embeddings(idx)
+        x = self.embed(idx)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
                 x, _ = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
@@ -325,7 +391,7 @@ class Transformer(nn.Module):
         mask = mask[None, None].expand(B, 1, T, P + T)
         if attention_mask is not None:
             mask = mask & attention_mask[:, None, None, :].bool()
-        x = self.tok_embeddings(input_ids)
+        x = self.embed(input_ids)
         presents = []
         for i, layer in enumerate(self.layers):
             x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, mask)
