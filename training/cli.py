@@ -27,6 +27,13 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {' '.join(message.split())}\n")
 
 
+def to_stderr(text: str) -> None:
+    """`text` and its newline in one write: stderr is unbuffered (write-through), so print()'s two writes
+    let another torchrun rank's line land between a message and its newline on the shared pipe."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: Callable[[argparse.Namespace], int | None],
              *, errors: tuple[type[BaseException], ...] = (ValueError, OSError), interrupted_hint: str = "") -> int:
     """A CLI's main(): parse `argv`, then run `body(args)` under `guarded`. Returns the exit status in
@@ -37,7 +44,7 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: 
         for a in sys.argv[1:] if argv is None else argv:  # non-UTF-8 bytes: refused before anything runs
             check_arg(str(a), "argument", ValueError)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        to_stderr(f"error: {e}")
         return EXIT_USAGE
     try:
         args = parser.parse_args(argv)
@@ -58,18 +65,16 @@ def guarded(fn: Callable[[], int | None], *, debug: bool = False,
         rc = fn()
     except Preempted as e:  # the checkpoint is on disk: one line (rank 0's), and a status a scheduler can requeue on
         if str(e):
-            print(str(e), file=sys.stderr)
+            to_stderr(str(e))
         return EXIT_PREEMPTED
     except errors as e:
         if debug:
             raise
         first, _, rest = str(e).partition("\n")
-        print(f"error: {first}", file=sys.stderr)
-        if rest:
-            print(rest, file=sys.stderr)
+        to_stderr(f"error: {first}" + (f"\n{rest}" if rest else ""))
         return EXIT_USAGE
     except KeyboardInterrupt:
         if interrupted_hint:
-            print(interrupted_hint, file=sys.stderr)
+            to_stderr(interrupted_hint)
         return EXIT_INTERRUPTED
     return EXIT_OK if rc is None else rc
