@@ -178,11 +178,10 @@ class Checkpointer:
     def _read_tensors(self, path: Path, state: dict, views: ModelViews) -> tuple[dict, dict | None, dict, str | None]:
         """Rank 0's read: (weights, optimizer state or None, RNG, why the optimizer state is dropped
         under --reset-optimizer), every tensor checked against the model."""
-        ck = ckpt.load(path)
+        ck = ckpt.load(path)  # its weights checked against its config: names, shapes, dtype
         if ck.config.to_dict() != views.model.cfg.to_dict():
             raise ckpt.CheckpointError(f"cannot resume {path}: its {ckpt.CONFIG_FILE} differs from the run's "
                                        "model config")
-        ckpt.check_fits(views.model, ck.weights, path / ckpt.MODEL_FILE)
         optim_sd, rng, problem = None, {}, None
         try:
             optim_tensors, rng = ck.optimizer_and_rng(strict=True)
