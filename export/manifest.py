@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from export import ExportError
 from export.names import TensorNameError, expected_names, lookup
@@ -67,8 +66,9 @@ class Source:
         return expected_names(self.config)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(our name, fp32 tensor) in writing order, memory-mapped from model.safetensors."""
-        with safe_open(str(self.path / layout.MODEL_WEIGHTS), framework="pt") as f:
+        """(our name, fp32 tensor) in writing order, memory-mapped from model.safetensors (a sharded
+        checkpoint's tensors assembled one at a time by training.checkpoint)."""
+        with checkpoint.open_tensors(self.path) as f:
             for name in self.tensor_names():
                 yield name, f.get_tensor(name).to(torch.float32)
 

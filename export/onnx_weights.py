@@ -11,6 +11,8 @@ import torch
 
 from export import ExportError
 from export.onnx_graph import Initializer
+from training.checkpoint import ShardedReader
+from training.checkpoint_format import is_sharded
 
 EXTERNAL_DATA_SUFFIX = ".data"
 # Large tensors start at a page boundary of the data file so ONNX Runtime can memory-map them
@@ -78,6 +80,13 @@ class Weights:
 
     def __init__(self, weights_file: Path):
         self.file = Path(weights_file)
+        self._sharded: ShardedReader | None = None
+        if not self.file.is_file() and is_sharded(self.file.parent):
+            # an FSDP2 checkpoint saved by every rank: each tensor's rows assembled on request (the
+            # shards are memory-mapped; one tensor is assembled at a time)
+            self._sharded = ShardedReader(self.file.parent, "model")
+            self._index = dict.fromkeys(self._sharded.keys())
+            return
         with open(self.file, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
@@ -85,6 +94,11 @@ class Weights:
         self._index = {k: v for k, v in header.items() if k != "__metadata__"}
 
     def tensor(self, name: str) -> torch.Tensor:
+        if self._sharded is not None:
+            t = self._sharded.get_tensor(name)
+            if t.dtype not in SAFETENSORS_DTYPES.values():
+                raise OnnxExportError(f"{self._sharded.index_file}: no fp32/fp16/bf16 tensor {name}")
+            return t.float()
         e = self._index.get(name)
         if e is None or e["dtype"] not in SAFETENSORS_DTYPES:
             raise OnnxExportError(f"{self.file}: no fp32/fp16/bf16 tensor {name}")

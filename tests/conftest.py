@@ -18,6 +18,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import preloaded
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,10 +123,9 @@ def bn_data(tmp_path_factory) -> Path:
 
 def run_train(*args: str, check: bool = True):
     """`python training/train.py ARGS` in a subprocess, as a user runs it."""
-    import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, str(REPO / "training" / "train.py"), *args], capture_output=True, text=True,
+    p = preloaded.run([sys.executable, str(REPO / "training" / "train.py"), *args], capture_output=True, text=True,
                        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -141,3 +141,10 @@ def tiny_run(bn_data, tmp_path_factory) -> Path:
               "--batch-size", "8", "--seq-len", "128", "--lr", "3e-3", "--warmup-steps", "20",
               "--eval-every", "100", "--save-every", "300", "--log-every", "100")
     return out
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many CLI runs were forked from the preloaded interpreter (tests/preloaded.py) instead of cold."""
+    if preloaded.forked_runs:
+        terminalreporter.write_line(f"preloaded: {preloaded.forked_runs} CLI runs forked from the preloaded "
+                                    "interpreter (PRODIP_TEST_COLD=1 runs them cold)")

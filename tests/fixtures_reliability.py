@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+import preloaded
 import pytest
 from conftest import REPO
 
@@ -42,7 +43,7 @@ def train_argv(data: Path, out: Path, *extra: str, steps: int = 4, save_every: i
 
 
 def run_cli(argv: list[str], *, cwd: Path = REPO, timeout: float = CLI_TIMEOUT_S, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=child_env(), timeout=timeout, **kw)
+    return preloaded.run(argv, cwd=cwd, capture_output=True, text=True, env=child_env(), timeout=timeout, **kw)
 
 
 def call_main(module: str, argv: list, capsys) -> tuple[int, str, str]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 from conftest import CHAT_SET, CORPUS, REPO
 
@@ -62,7 +62,7 @@ def write_chats(path: Path) -> Path:
 
 def run_sft(*args: str) -> None:
     """`python training/sft.py ARGS` in a subprocess, as a user runs it."""
-    p = subprocess.run([sys.executable, str(REPO / "training" / "sft.py"), *args], capture_output=True, text=True,
+    p = preloaded.run([sys.executable, str(REPO / "training" / "sft.py"), *args], capture_output=True, text=True,
                        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if p.returncode != 0:
         raise AssertionError(f"sft.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import preloaded
 import pytest
 from conftest import REPO, stop
 from fixtures_foreign_gguf import (
@@ -154,7 +155,7 @@ def test_unloadable_gguf_is_one_error_naming_the_file_and_leaks_nothing(foreign_
 
 def test_cli_names_an_unloadable_file(foreign_ggufs, tmp_path):  # noqa: F811
     bad = without_tensor(foreign_ggufs.qwen2, tmp_path / "broken-F32.gguf", "output_norm.weight")
-    p = subprocess.run([sys.executable, "-m", "serving", str(bad), "--prompt", "হ্যালো", "--max-tokens", "4"],
+    p = preloaded.run([sys.executable, "-m", "serving", str(bad), "--prompt", "হ্যালো", "--max-tokens", "4"],
                        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr

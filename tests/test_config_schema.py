@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 from conftest import REPO
 
@@ -158,7 +158,7 @@ def test_sft_flags_pass_through_the_same_schema(tmp_path, capsys):
 
 def test_a_bad_flag_from_the_real_command_line_is_one_line():
     """As a user runs it: no usage block, only the one line (argparse's own errors included)."""
-    p = subprocess.run([sys.executable, "training/train.py", "--data", "d", "--out", "o", "--max-steps", "2",
+    p = preloaded.run([sys.executable, "training/train.py", "--data", "d", "--out", "o", "--max-steps", "2",
                         "--lr", "nan"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: argument --lr: Input should be a finite number (got 'nan')"], p.stderr

@@ -24,6 +24,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+import preloaded
 import pytest
 from fixtures_reliability import REPO, child_env, run_cli, train_argv, tree_digest
 from safetensors.torch import load_file
@@ -152,7 +153,7 @@ def test_sigkill_20_times_resumes_exactly(bn_data, tmp_path):
     ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
     argv = train_argv(bn_data, run, steps=STEPS, save_every=1)
     ref_log = open(tmp_path / "ref.log", "w")  # noqa: SIM115
-    reference = subprocess.Popen(train_argv(bn_data, ref, steps=STEPS, save_every=1), cwd=REPO, env=child_env(),
+    reference = preloaded.popen(train_argv(bn_data, ref, steps=STEPS, save_every=1), cwd=REPO, env=child_env(),
                                  stdout=ref_log, stderr=subprocess.STDOUT)
     rng = random.Random(SEED)
     kinds: Counter[str] = Counter()
@@ -165,7 +166,7 @@ def test_sigkill_20_times_resumes_exactly(bn_data, tmp_path):
                 assert ck.state["step"] == base
             stale_seen += bool(list((run / "checkpoints").glob(ckpt.TMP_PREFIX + "*"))) if run.exists() else 0
             with open(tmp_path / f"attempt-{attempt:02d}.log", "w") as log:
-                p = subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+                p = preloaded.popen(argv, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
                 if sum(kinds.values()) >= KILLS:
                     assert p.wait(timeout=ATTEMPT_TIMEOUT_S * 2) == 0, (tmp_path / f"attempt-{attempt:02d}.log").read_text()
                     break

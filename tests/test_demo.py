@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import threading
 
+import preloaded
 import pytest
 from conftest import REPO
 from fixtures_serve import BN_QUESTION
@@ -174,7 +174,7 @@ def test_missing_model_and_default_lookup(tmp_path, serve_run, monkeypatch):  # 
 def test_cli_without_a_model_says_run_the_quickstart(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PRODIP_HOME"}
     env["PYTHONPATH"] = str(REPO)
-    p = subprocess.run([sys.executable, "-m", "demo"], cwd=tmp_path, env=env, capture_output=True, text=True,
+    p = preloaded.run([sys.executable, "-m", "demo"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2
     assert p.stderr.startswith("error: ") and "quickstart" in p.stderr and "Traceback" not in p.stderr

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 from conftest import REPO, run_train
@@ -35,7 +36,7 @@ def torchrun(script: Path, *args: str, nproc: int = 2, check: bool = True) -> su
     # --standalone: a local c10d rendezvous on a free port (several test runs can share the machine)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
            *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=TORCHRUN_TIMEOUT_S,
+    p = preloaded.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=TORCHRUN_TIMEOUT_S,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and p.returncode != 0:
         raise AssertionError(f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-4000:]}")

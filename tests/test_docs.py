@@ -16,11 +16,11 @@ import importlib.util
 import io
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import preloaded
 import pytest
 from conftest import REPO
 
@@ -191,7 +191,7 @@ def help_flags(script: str) -> set[str]:
     """Every --flag in `python SCRIPT --help` (for CLIs without a build_parser() yet)."""
     if script not in _HELP:
         how = ["-m", script[:-3].replace("/", ".").removesuffix(".__main__")] if is_package_cli(script) else [script]
-        p = subprocess.run([sys.executable, *how, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        p = preloaded.run([sys.executable, *how, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, f"{script} --help failed:\n{p.stderr[-2000:]}"
         _HELP[script] = set(re.findall(r"(--[A-Za-z0-9][\w-]*)", p.stdout))
     return _HELP[script]

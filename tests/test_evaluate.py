@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import fixtures_evaluate as fx
 import numpy as np
+import preloaded
 import pytest
 import torch
 import torch.nn.functional as F
@@ -434,10 +434,10 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
 
 def test_module_entry_point(run_copy):
     """`python -m training.evaluate RUN --text FILE --mc FILE` as docs/eval.md shows it, and its errors."""
-    r = subprocess.run([sys.executable, "-m", "training.evaluate", "/nonexistent/run", "--text", "x"],
+    r = preloaded.run([sys.executable, "-m", "training.evaluate", "/nonexistent/run", "--text", "x"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "training.evaluate", str(run_copy), "--text", str(HELDOUT),
+    r = preloaded.run([sys.executable, "-m", "training.evaluate", str(run_copy), "--text", str(HELDOUT),
                         "--mc", str(MC_EN), "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "| twin | pass |" in r.stdout and "wrote " in r.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+import preloaded
 import pytest
 import torch
 
@@ -197,7 +198,6 @@ def test_untied_head_exports_to_gguf_and_hf(trained_run, tmp_path):  # noqa: F81
 def test_run_with_failed_gates_is_not_exported(trained_run, tmp_path):  # noqa: F811
     import json
     import shutil
-    import subprocess
     import sys
 
     run = tmp_path / "run"
@@ -206,7 +206,7 @@ def test_run_with_failed_gates_is_not_exported(trained_run, tmp_path):  # noqa: 
     report["passed"] = False
     report["results"][0]["passed"] = False
     (run / "gates.json").write_text(json.dumps(report))
-    p = subprocess.run([sys.executable, "-m", "export", "gguf", str(run), "--f16", "--no-parity"],
+    p = preloaded.run([sys.executable, "-m", "export", "gguf", str(run), "--f16", "--no-parity"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "nothing is exported" in p.stderr and "Traceback" not in p.stderr
     assert not (run / "export").exists()

@@ -40,6 +40,7 @@ from pathlib import Path
 import gates_plants as P
 import gates_runner
 import numpy as np
+import preloaded
 import pytest
 import torch
 from conftest import OPT_IN, REPO
@@ -347,7 +348,7 @@ def _train(plant: str, run: Path, data: Path, *extra: str, steps: int = 6) -> in
 
 def _cli(plant: str, run: Path, data: Path, *extra: str, steps: int = 6) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(REPO / "tests" / "gates_runner.py"), plant,
+    return preloaded.run([sys.executable, str(REPO / "tests" / "gates_runner.py"), plant,
                            *_argv(run, data, extra, steps)], capture_output=True, text=True, env=env, timeout=600)
 
 

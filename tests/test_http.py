@@ -15,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import preloaded
 import pytest
 import uvicorn
 from conftest import REPO
@@ -303,7 +304,7 @@ def test_cli_http_refuses_terminal_flags_by_name(serve_run, flag):  # noqa: F811
     """--http serves requests that carry their own settings: a flag it would drop is refused, by name,
     before the port is taken or the model loads (issue 28)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "serving", str(serve_run), "--http", "0", *flag], cwd=REPO, env=env,
+    p = preloaded.run([sys.executable, "-m", "serving", str(serve_run), "--http", "0", *flag], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith(f"error: {flag[0]} does not apply to --http"), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "serving on" not in p.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import preloaded
 import pytest
 from conftest import ASSETS, REPO
 
@@ -188,7 +189,7 @@ def test_other_imatrix_types_load_and_rank(quants, reference):
 
 # ------------------------------------------------------------------------------------ bad input
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "export.imatrix", *args], cwd=REPO, capture_output=True, text=True,
+    return preloaded.run([sys.executable, "-m", "export.imatrix", *args], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, **(env or {})})
 
 
@@ -296,7 +297,7 @@ def test_export_q4_imatrix_measures_its_file_against_plain(tiny_run, tmp_path):
     import json
 
     out = tmp_path / "exp"
-    p = subprocess.run([sys.executable, "-m", "export", "gguf", str(tiny_run), "--q4", "--imatrix", "--no-parity",
+    p = preloaded.run([sys.executable, "-m", "export", "gguf", str(tiny_run), "--q4", "--imatrix", "--no-parity",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     files = json.loads((out / "manifest.json").read_text())["files"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 from conftest import REPO, run_train
@@ -107,7 +107,7 @@ def test_continued_run_saves_a_checkpoint_that_exports_to_transformers(work):
 
 def _refused(work, tmp_path, folder: str | Path, what: str, data: Path | None = None) -> str:
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(REPO / "training" / "train.py"), "--init-from", str(folder), "--data",
+    p = preloaded.run([sys.executable, str(REPO / "training" / "train.py"), "--init-from", str(folder), "--data",
                         str(data or work["data"]), "--out", str(out), *TRAIN], capture_output=True, text=True,
                        cwd=REPO)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "Warning" not in ln]

@@ -6,10 +6,10 @@ measured by tests/benchmarks/bench_export.py (fp32) and bench_onnx_export.py (fp
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
+import preloaded
 import pytest
 from conftest import REPO
 
@@ -61,7 +61,7 @@ def test_streamed_export_equals_pytorch_and_is_served(streamed, tiny_run):
 
 def test_streamed_export_refuses_to_overwrite_and_bad_checkpoints(streamed, tiny_run, tmp_path):
     before = (streamed / "model.onnx").read_bytes()
-    p = subprocess.run([sys.executable, "-m", "export.onnx_stream", str(tiny_run), "--out", str(streamed)],
+    p = preloaded.run([sys.executable, "-m", "export.onnx_stream", str(tiny_run), "--out", str(streamed)],
                        cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
     assert "already exists" in p.stderr and (streamed / "model.onnx").read_bytes() == before
@@ -75,7 +75,7 @@ def test_streamed_export_refuses_to_overwrite_and_bad_checkpoints(streamed, tiny
     w = bad / "checkpoints" / latest(tiny_run).name / "model.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "export.onnx_stream", str(bad), "--out", str(out)],
+    p = preloaded.run([sys.executable, "-m", "export.onnx_stream", str(bad), "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad"]  # no temporary folder either

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 from conftest import stop
@@ -87,7 +88,7 @@ def start():
 
     def go(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
         with open(log, "w") as f:
-            started.append(subprocess.Popen(argv, cwd=REPO, env={**child_env(), **env}, stdout=f,
+            started.append(preloaded.popen(argv, cwd=REPO, env={**child_env(), **env}, stdout=f,
                                             stderr=subprocess.STDOUT))
         return started[-1]
 
@@ -101,7 +102,7 @@ def start():
 def reference(bn_data, tmp_path_factory) -> Path:
     """The uninterrupted run: STEPS steps, one checkpoint, at the end."""
     out = tmp_path_factory.mktemp("preempt-ref") / "run"
-    r = subprocess.run(train_argv(bn_data, out, steps=STEPS, save_every=0), cwd=REPO, env=child_env(),
+    r = preloaded.run(train_argv(bn_data, out, steps=STEPS, save_every=0), cwd=REPO, env=child_env(),
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return out
@@ -125,7 +126,7 @@ def test_sigterm_checkpoints_the_step_and_resumes_exactly(bn_data, reference, tm
     assert {"event": "preempted", "step": n, "signal": "SIGTERM"} in events
     assert not list((run / layout.CHECKPOINTS).glob(ckpt.TMP_PREFIX + "*"))
 
-    r = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = preloaded.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"resumed from {run / layout.CHECKPOINTS / ckpt.step_dir_name(n)} (step {n}," in r.stdout, r.stdout
     _assert_same_run(run, reference)
@@ -151,7 +152,7 @@ def test_second_signal_exits_at_once_and_the_newest_checkpoint_loads(bn_data, re
     ckpt.read_state(newest, ckpt.RESUME_STATE_SCHEMA)
     assert ck.optimizer_and_rng(strict=True)[0]
 
-    r = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = preloaded.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert not list((run / layout.CHECKPOINTS).glob(ckpt.TMP_PREFIX + "*"))
     _assert_same_run(run, reference)
@@ -208,7 +209,7 @@ def _workers(pid: int) -> dict[int, int]:
 
 
 def _torchrun(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return preloaded.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")

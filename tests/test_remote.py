@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 from conftest import stop
@@ -55,7 +56,7 @@ def _curve(log: str) -> list[tuple[int, float, float]]:
 def reference(bn_data, tmp_path_factory) -> Path:
     """The uninterrupted local run the remote runs must equal."""
     out = tmp_path_factory.mktemp("remote-ref") / "run"
-    r = subprocess.run(train_argv(bn_data, out, steps=STEPS, save_every=EVERY), cwd=REPO, env=child_env(),
+    r = preloaded.run(train_argv(bn_data, out, steps=STEPS, save_every=EVERY), cwd=REPO, env=child_env(),
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return out
@@ -72,7 +73,7 @@ def _wait(cond, p: subprocess.Popen, what: str) -> None:
 
 def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log, "w") as f:
-        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        return preloaded.popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
 def test_kill9_mid_upload_then_resume_on_an_empty_cache_is_bit_exact(bn_data, reference, s3_server, tmp_path):
@@ -92,7 +93,7 @@ def test_kill9_mid_upload_then_resume_on_an_empty_cache_is_bit_exact(bn_data, re
     assert committed_steps(fs, "kill9/runs/r1") == [2, 4]
     assert fs.exists("kill9/runs/r1/checkpoints/step_0000006/model.safetensors")  # a partial upload is there
 
-    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache2"), cwd=REPO, env=remote_env(s3_server),
+    r = preloaded.run(remote_argv(bn_data, url, tmp_path / "cache2"), cwd=REPO, env=remote_env(s3_server),
                        capture_output=True, text=True, timeout=TIMEOUT_S)  # a new machine: an empty cache
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "checkpoints/step_0000006 is incomplete" in r.stdout and "ignored" in r.stdout, r.stdout
@@ -127,7 +128,7 @@ def test_sigterm_commits_the_checkpoint_before_exit_and_a_new_machine_resumes(bn
     n = int(out.split("preempted at step ")[1].split()[0])
     assert 3 <= n < steps and "Traceback" not in out, out
     assert committed_steps(fs, "sigterm/run") == [n], out  # uploaded and committed before the process exited
-    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache2", steps=n + 2, save_every=0), cwd=REPO,
+    r = preloaded.run(remote_argv(bn_data, url, tmp_path / "cache2", steps=n + 2, save_every=0), cwd=REPO,
                        env=remote_env(s3_server), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"(step {n}," in r.stdout and committed_steps(fs, "sigterm/run") == [n, n + 2], r.stdout
@@ -168,7 +169,7 @@ def test_a_store_unreachable_for_the_whole_run(allow, bn_data, s3_server, tmp_pa
     env = remote_env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{_closed_port()}", PRODIP_MIRROR_FLUSH_S="1",
                **FAST_RETRY)
     extra = ("--allow-local-only",) if allow else ()
-    r = subprocess.run(remote_argv(bn_data, "s3://nowhere/run", tmp_path / "cache", *extra, steps=4), cwd=REPO, env=env,
+    r = preloaded.run(remote_argv(bn_data, "s3://nowhere/run", tmp_path / "cache", *extra, steps=4), cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert (tmp_path / "cache" / "checkpoints" / "step_0000004").is_dir()  # trained, locally
     assert "unreachable" in r.stdout.splitlines()[0], r.stdout  # said at the start, once
@@ -226,7 +227,7 @@ def test_cache_without_a_url_is_refused(bn_data, tmp_path, capsys):
 
 def test_a_url_holding_another_run_or_foreign_objects_is_refused(bn_data, aws, tmp_path, capsys):
     fs, url = aws.fs(), f"s3://{bucket(aws, 'taken')}/run"
-    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "first", steps=2), cwd=REPO, env=remote_env(aws),
+    r = preloaded.run(remote_argv(bn_data, url, tmp_path / "first", steps=2), cwd=REPO, env=remote_env(aws),
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     before = {k: fs.info(k)["ETag"] for k in fs.find("taken")}
@@ -254,7 +255,7 @@ def test_data_as_a_url_is_pulled_once_checked_and_trains_the_same(bn_data, refer
     def train(out: str) -> subprocess.CompletedProcess:
         argv = train_argv(bn_data, tmp_path / out, steps=STEPS, save_every=EVERY)
         argv[argv.index("--data") + 1] = "s3://datab/bn"
-        r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        r = preloaded.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert _curve((tmp_path / out / layout.LOG).read_text()) == _curve((reference / layout.LOG).read_text())
         return r

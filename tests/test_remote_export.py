@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import preloaded
 import pytest
 from fixtures_reliability import REPO, one_error, tree_digest
 from fixtures_remote import TIMEOUT_S, bucket, no_secret, remote_argv, remote_env
@@ -31,7 +32,7 @@ pytest.importorskip("moto", reason="opt-in: pip install 'moto[server]' for the r
 
 
 def _export(env: dict, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "export", *argv], cwd=REPO, env=env, capture_output=True, text=True,
+    return preloaded.run([sys.executable, "-m", "export", *argv], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
 
 
@@ -44,13 +45,13 @@ def test_export_pulls_the_newest_committed_checkpoint_from_a_url(bn_data, s3_ser
     """`python -m export gguf s3://BUCKET/RUN --q4`: the run's newest committed checkpoint is pulled into
     the default cache (~/.cache/prodip/runs/<hash>, HOME here is the test's) and exported there."""
     fs, url = s3_server.fs(), f"s3://{bucket(s3_server, 'export')}/run"
-    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache", steps=4), cwd=REPO, env=remote_env(s3_server),
+    r = preloaded.run(remote_argv(bn_data, url, tmp_path / "cache", steps=4), cwd=REPO, env=remote_env(s3_server),
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     fs.pipe_file("export/run/checkpoints/step_0000006/model.safetensors", b"a partial upload")  # no marker
     home = tmp_path / "home"
     env = remote_env(s3_server, HOME=str(home))
-    e = subprocess.run([sys.executable, "-m", "export", "gguf", url, "--q4", "--no-parity"], cwd=REPO, env=env,
+    e = preloaded.run([sys.executable, "-m", "export", "gguf", url, "--q4", "--no-parity"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert e.returncode == 0, e.stdout[-3000:] + e.stderr[-3000:]
     assert "step_0000006 is incomplete" in e.stderr and "pulled" in e.stderr, e.stderr
@@ -66,7 +67,7 @@ def test_export_of_a_url_without_a_committed_checkpoint_is_refused(s3_server, tm
     fs = s3_server.fs()
     bucket(s3_server, "exp-empty")
     fs.pipe_file("exp-empty/run/checkpoints/step_0000002/model.safetensors", b"partial")
-    e = subprocess.run([sys.executable, "-m", "export", "gguf", "s3://exp-empty/run", "--q4"], cwd=REPO,
+    e = preloaded.run([sys.executable, "-m", "export", "gguf", "s3://exp-empty/run", "--q4"], cwd=REPO,
                        env=remote_env(s3_server, HOME=str(tmp_path)), capture_output=True, text=True, timeout=TIMEOUT_S)
     one_error(e.returncode, e.stdout, e.stderr, "holds no committed checkpoint")
     assert not (tmp_path / ".cache").exists()  # nothing pulled, nothing written
@@ -76,7 +77,7 @@ def test_export_of_a_url_without_a_committed_checkpoint_is_refused(s3_server, tm
 def remote_run(bn_data, s3_server, tmp_path_factory) -> str:
     """A 4-step run trained into s3://writeback/run."""
     url = f"s3://{bucket(s3_server, 'writeback')}/run"
-    r = subprocess.run(remote_argv(bn_data, url, tmp_path_factory.mktemp("wb") / "cache", steps=4), cwd=REPO,
+    r = preloaded.run(remote_argv(bn_data, url, tmp_path_factory.mktemp("wb") / "cache", steps=4), cwd=REPO,
                        env=remote_env(s3_server), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return url
@@ -115,13 +116,13 @@ def test_exports_are_written_back_after_parity_and_never_replaced_without_force(
     # serving, on another machine (an empty HOME): the committed GGUF is pulled, checked, and answers
     [q4] = [k for k in local if k.endswith("Q4_K_M.gguf")]
     other = tmp_path / "other-home"
-    s = subprocess.run([sys.executable, "-m", "serving", f"{remote_run}/export/{q4}", "--prompt", "বাংলাদেশ",
+    s = preloaded.run([sys.executable, "-m", "serving", f"{remote_run}/export/{q4}", "--prompt", "বাংলাদেশ",
                         "--max-tokens", "4", "--temperature", "0"], cwd=REPO, env=remote_env(s3_server, HOME=str(other)),
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert s.returncode == 0 and "sha256 checked" in s.stderr, s.stdout[-2000:] + s.stderr[-2000:]
     [pulled] = (other / ".cache" / "prodip" / "runs").glob(f"*/run/export/{q4}")
     assert hashlib.sha256(pulled.read_bytes()).hexdigest() == local[q4]
-    bad = subprocess.run([sys.executable, "-m", "serving", f"{remote_run}/export/gguf/nope.gguf", "--prompt", "x"],
+    bad = preloaded.run([sys.executable, "-m", "serving", f"{remote_run}/export/gguf/nope.gguf", "--prompt", "x"],
                          cwd=REPO, env=remote_env(s3_server, HOME=str(other)), capture_output=True, text=True,
                          timeout=TIMEOUT_S)
     one_error(bad.returncode, bad.stdout, bad.stderr, "not in s3://writeback/run's committed export")
@@ -131,7 +132,7 @@ def test_an_export_upload_cut_short_is_never_served_and_force_replaces_it(bn_dat
     """The marker goes last: kill -9 while the GGUF is in flight (the server holds it) leaves files but no
     marker, which serving refuses; a plain export then refuses to replace them, --force does."""
     fs, url = s3_server.fs(), f"s3://{bucket(s3_server, 'cut')}/run"
-    r = subprocess.run(remote_argv(bn_data, url, tmp_path / "cache", steps=4), cwd=REPO, env=remote_env(s3_server),
+    r = preloaded.run(remote_argv(bn_data, url, tmp_path / "cache", steps=4), cwd=REPO, env=remote_env(s3_server),
                        capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     env = remote_env(s3_server, HOME=str(tmp_path / "home"))
@@ -152,7 +153,7 @@ def test_an_export_upload_cut_short_is_never_served_and_force_replaces_it(bn_dat
     s3_server.release.clear()
     fs.invalidate_cache()
     assert not fs.exists("cut/run/export.commit.json")
-    s = subprocess.run([sys.executable, "-m", "serving", f"{url}/export/gguf/run-Q4_K_M.gguf", "--prompt", "x"],
+    s = preloaded.run([sys.executable, "-m", "serving", f"{url}/export/gguf/run-Q4_K_M.gguf", "--prompt", "x"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     one_error(s.returncode, s.stdout, s.stderr, "holds no committed export")
     again = _export(env, "gguf", url, "--q4")

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import onnx
+import preloaded
 import pytest
 import torch
 from onnx import TensorProto, helper
@@ -192,12 +193,11 @@ def test_rejects_onnx_of_another_model(onnx_export, tmp_path):
 
 
 def _cli(*argv: str):
-    import subprocess
     import sys
 
     from conftest import REPO
 
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return preloaded.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def _one_error_line(p, *words: str) -> None:

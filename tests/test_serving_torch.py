@@ -8,6 +8,7 @@ import sys
 import unicodedata
 
 import numpy as np
+import preloaded
 import pytest
 import torch
 from conftest import REPO
@@ -205,7 +206,7 @@ def test_from_model_is_the_same_runner(serve_run, backend):  # noqa: F811
 # ---------------------------------------------------------------------------------------------- CLI
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "serving", *args], input=stdin, capture_output=True, text=True,
+    return preloaded.run([sys.executable, "-m", "serving", *args], input=stdin, capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=120)
 
 

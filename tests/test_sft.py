@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
 from conftest import CHAT_SET, REPO, SHARED_DATA, shared_path
@@ -452,7 +452,7 @@ def test_cli_errors_are_one_line(pretrained, tmp_path, capsys):
     bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n', encoding="utf-8")
     # the script itself, as a user runs it
     argv = ["--init", str(pretrained), "--data", str(bad), "--out", str(tmp_path / "o")]
-    p = subprocess.run([sys.executable, str(ROOT / "training" / "sft.py"), *argv], capture_output=True, text=True,
+    p = preloaded.run([sys.executable, str(ROOT / "training" / "sft.py"), *argv], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: ") and "bad.jsonl:1" in p.stderr, p.stderr
     assert "no assistant message" in p.stderr and "Traceback" not in p.stderr

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
+import preloaded
 import pytest
 import torch
 from conftest import REPO
@@ -157,7 +157,7 @@ def test_http_stream_never_shows_replacement(forced_run):
 
 def test_cli_prints_no_replacement(forced_run):
     run, _ = forced_run
-    p = subprocess.run([sys.executable, "-m", "serving", str(run), "--prompt", PROMPT, "--raw", "--temperature", "0",
+    p = preloaded.run([sys.executable, "-m", "serving", str(run), "--prompt", PROMPT, "--raw", "--temperature", "0",
                         "--max-tokens", str(MAX_TOKENS), "--stats", "--threads", "1"],
                        capture_output=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode == 0, p.stderr.decode()[-2000:]

@@ -7,6 +7,11 @@
         config.json         the ModelConfig
         tokenizer.model     the SentencePiece model the weights were trained with
 
+Under FSDP2 a checkpoint is sharded instead (nothing gathered): model.rankRRRRR-of-WWWWW.safetensors and
+optim.rankRRRRR-of-WWWWW.safetensors per writing rank, and shards.json, which says which rows of each
+tensor each file holds (training.checkpoint_format). `load` assembles the full tensors (ShardedReader),
+so every stage reads either form the same way.
+
 A checkpoint is written into a hidden temporary folder, fsynced, and renamed into place: a folder
 named step_* is complete by construction, and `latest()` never sees a partial save. Non-finite
 weights are refused before anything is written.
@@ -18,7 +23,9 @@ the one name every stage imports: both halves' public names are re-exported here
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +43,9 @@ from training.checkpoint_format import (
     OPTIM_FILE,
     RESUME_STATE_SCHEMA,
     RNG_PREFIX,
+    SHARD_FORMAT,
+    SHARD_INDEX_FILE,
+    SHARD_KINDS,
     STATE_FILE,
     STATE_SCHEMA,
     STEP_PREFIX,
@@ -43,22 +53,30 @@ from training.checkpoint_format import (
     TOKENIZER_FILE,
     CheckpointError,
     flatten_optimizer,
+    has_weights,
+    is_sharded,
     latest,
     list_checkpoints,
     remove,
     resolve,
+    shard_file,
     step_dir_name,
     step_of,
     unflatten_optimizer,
 )
 from training.checkpoint_write import (
     CheckpointWriter,
+    begin_sharded,
     check_finite,
+    commit_sharded,
     drop_tied,
     nonfinite,
     save,
+    shard_index,
+    sharded_tmp,
     weights_for_save,
     write,
+    write_shard,
 )
 from training.model import ModelConfig, Transformer
 from training.tokenizer import Tokenizer
@@ -66,14 +84,15 @@ from training.tokenizer import Tokenizer
 __all__ = [
     # the format (training.checkpoint_format)
     "ADAM_MOMENTS", "CONFIG_FILE", "CPU_RNG", "FORMAT_VERSION", "MODEL_FILE", "OPTIM_FILE", "RESUME_STATE_SCHEMA",
-    "RNG_PREFIX", "STATE_FILE", "STATE_SCHEMA", "STEP_PREFIX", "TMP_PREFIX", "TOKENIZER_FILE", "CheckpointError",
-    "flatten_optimizer", "latest", "list_checkpoints", "remove", "resolve", "step_dir_name", "step_of",
-    "unflatten_optimizer",
+    "RNG_PREFIX", "SHARD_FORMAT", "SHARD_INDEX_FILE", "SHARD_KINDS", "STATE_FILE", "STATE_SCHEMA", "STEP_PREFIX",
+    "TMP_PREFIX", "TOKENIZER_FILE", "CheckpointError", "flatten_optimizer", "has_weights", "is_sharded", "latest",
+    "list_checkpoints", "remove", "resolve", "shard_file", "step_dir_name", "step_of", "unflatten_optimizer",
     # writing (training.checkpoint_write)
-    "CheckpointWriter", "check_finite", "drop_tied", "nonfinite", "save", "weights_for_save", "write",
+    "CheckpointWriter", "begin_sharded", "check_finite", "commit_sharded", "drop_tied", "nonfinite", "save",
+    "shard_index", "sharded_tmp", "weights_for_save", "write", "write_shard",
     # reading (here)
-    "PICKLE_HEADS", "Checkpoint", "check_fits", "check_optimizer_fits", "check_readable", "load", "load_model",
-    "load_weights", "read_config", "read_state", "unreadable_tensors",
+    "PICKLE_HEADS", "Checkpoint", "ShardedReader", "check_fits", "check_optimizer_fits", "check_readable", "load",
+    "load_model", "load_weights", "open_tensors", "read_config", "read_state", "unreadable_tensors",
 ]
 
 
@@ -97,6 +116,9 @@ def unreadable_tensors(path: Path, err: Exception) -> str:
 def check_readable(c: Path) -> None:
     """Headers and sizes of a checkpoint's tensor files (cheap: nothing is read), so a resume can fail
     before it writes anything into the run folder."""
+    if is_sharded(c):
+        ShardedReader(c, "model").close()  # opens every shard file the index lists: headers only
+        return
     for f in (c / MODEL_FILE, c / OPTIM_FILE):
         if f.name == OPTIM_FILE and not f.is_file():
             continue
@@ -105,6 +127,124 @@ def check_readable(c: Path) -> None:
                 pass
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(unreadable_tensors(f, e)) from None
+
+
+SHARD_INDEX_SCHEMA: layout.Schema = {"prodip_shards": int, "world_size": int, "files": list,
+                                     **{kind: dict for kind in SHARD_KINDS}}
+STORED_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16,
+                                                              torch.float64, torch.uint8, torch.int64)}
+
+
+class ShardedReader:
+    """The tensors of one section ("model" or "optim") of a sharded checkpoint, each assembled from
+    every rank's rows on request (`get_tensor`), checked against shards.json: every shard file
+    present and readable, each part's shape and dtype, the parts covering every row once. Any
+    fault is one CheckpointError naming the file. Every listed shard file is opened (headers only)
+    when the reader is made; use it as a context manager, or close() it."""
+
+    def __init__(self, c: Path, kind: str):
+        self.index_file = Path(c) / SHARD_INDEX_FILE
+        try:
+            index = layout.read_json(self.index_file, "checkpoint shard index", required=SHARD_INDEX_SCHEMA)
+        except layout.LayoutError as e:
+            raise CheckpointError(str(e)) from None
+        if index["prodip_shards"] != SHARD_FORMAT:
+            raise CheckpointError(f"{self.index_file}: shard format {index['prodip_shards']}, this prodip reads "
+                                  f"{SHARD_FORMAT}")
+        self.entries: dict = index[kind]
+        self.names = list(self.entries)
+        self._files: dict[str, object] = {}
+        self._stack = contextlib.ExitStack()
+        try:
+            for name in index["files"]:
+                f = self._path(name)
+                if not f.is_file():
+                    raise CheckpointError(f"{f}: shard file not found (listed in {self.index_file})")
+                try:
+                    self._files[name] = self._stack.enter_context(safe_open(str(f), framework="pt"))
+                except (SafetensorError, OSError, ValueError) as e:
+                    raise CheckpointError(unreadable_tensors(f, e)) from None
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _path(self, name: object) -> Path:
+        """A file the index names: a plain file name in the checkpoint folder, nothing else."""
+        if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+            raise CheckpointError(f"{self.index_file}: {name!r} is not a shard file name")
+        return self.index_file.parent / name
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        e = self.entries.get(name)
+        where = f"{self.index_file} ({name})"
+        if e is None:
+            raise CheckpointError(f"{self.index_file}: lists no tensor {name}")
+        try:
+            shape, dtype, parts = e["shape"], STORED_DTYPES[e["dtype"]], e["parts"]
+            if not parts or not all(isinstance(p, list) and len(p) == 3 for p in parts):
+                raise ValueError("no parts")
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{where}: damaged entry {e!r}") from None
+        if parts[0][1] is None:  # whole, in one file (RNG states, step counts)
+            t = self._part(parts[0][0], name)
+            if t.dtype != dtype or (shape is not None and list(t.shape) != shape):
+                raise CheckpointError(f"{self._path(parts[0][0])}: {name} is {t.dtype} {list(t.shape)}, "
+                                      f"{self.index_file} says {dtype} {shape}")
+            return t
+        if not (isinstance(shape, list) and shape and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise CheckpointError(f"{where}: damaged shape {shape!r}")
+        out = torch.empty(shape, dtype=dtype)
+        done = 0  # rows filled so far: the parts, in row order, must tile dim 0 exactly
+        for file, lo, hi in sorted(parts, key=lambda p: p[1] if isinstance(p[1], int) else -1):
+            if not (isinstance(lo, int) and isinstance(hi, int) and lo == done and done < hi <= shape[0]):
+                raise CheckpointError(f"{where}: rows {lo}..{hi} do not continue rows 0..{done} of {shape[0]}")
+            t = self._part(file, name)
+            if t.dtype != dtype or list(t.shape) != [hi - lo, *shape[1:]]:
+                raise CheckpointError(f"{self._path(file)}: {name} is {t.dtype} {list(t.shape)}, {self.index_file} "
+                                      f"says rows {lo}..{hi} of {dtype} {shape}")
+            out[lo:hi] = t
+            done = hi
+        if done != shape[0]:
+            raise CheckpointError(f"{where}: rows {done}..{shape[0]} are in no shard file")
+        return out
+
+    def _part(self, file: str, name: str) -> torch.Tensor:
+        f = self._files.get(file)
+        if f is None:
+            raise CheckpointError(f"{self.index_file}: {name} is in {file!r}, which the index does not list")
+        try:
+            return f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{self._path(file)}: cannot read {name} ({e})") from None
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def open_tensors(c: Path) -> Iterator:
+    """A checkpoint's weights one at a time (`keys()`, `get_tensor(name)`), whichever form it is in:
+    model.safetensors memory-mapped, or a sharded checkpoint's rows assembled per tensor."""
+    c = Path(c)
+    if is_sharded(c):
+        with ShardedReader(c, "model") as r:
+            yield r
+        return
+    try:
+        handle = safe_open(str(c / MODEL_FILE), framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(unreadable_tensors(c / MODEL_FILE, e)) from None
+    with handle as f:
+        yield f
 
 
 @dataclass
@@ -118,14 +258,21 @@ class Checkpoint:
     def optimizer_and_rng(self, strict: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Optimizer moments and RNG states; `strict` (a resume): a missing file or RNG state is an error."""
         f = self.path / OPTIM_FILE
-        if not f.is_file():
+        if is_sharded(self.path):
+            with ShardedReader(self.path, "optim") as r:
+                f = r.index_file
+                if not r.names and strict:
+                    raise CheckpointError(f"{f}: optimizer state not found")
+                t = {k: r.get_tensor(k) for k in r.names}
+        elif not f.is_file():
             if strict:
                 raise CheckpointError(f"{f}: optimizer state not found")
             return {}, {}
-        try:
-            t = load_file(str(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(unreadable_tensors(f, e)) from None
+        else:
+            try:
+                t = load_file(str(f))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(unreadable_tensors(f, e)) from None
         rng = {k[len(RNG_PREFIX):]: v for k, v in t.items() if k.startswith(RNG_PREFIX)}
         if strict and CPU_RNG not in rng:
             raise CheckpointError(f"{f}: holds no RNG state ({RNG_PREFIX}{CPU_RNG})")
@@ -157,19 +304,23 @@ def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
     cfg = read_config(c)
     # a run's checkpoint holds its state.json by construction; a bare folder elsewhere need not
     state = read_state(c) if (c / STATE_FILE).exists() or layout.is_checkpoint_dir(c) else {}
-    if not (c / MODEL_FILE).is_file():
+    if is_sharded(c):  # every rank's rows assembled into full tensors
+        with ShardedReader(c, "model") as r:
+            weights = {k: r.get_tensor(k) for k in r.names}
+    elif not (c / MODEL_FILE).is_file():
         raise CheckpointError(f"{c / MODEL_FILE}: model weights not found")
-    try:
-        weights = load_file(str(c / MODEL_FILE))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(unreadable_tensors(c / MODEL_FILE, e)) from None
+    else:
+        try:
+            weights = load_file(str(c / MODEL_FILE))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(unreadable_tensors(c / MODEL_FILE, e)) from None
     tok = Tokenizer.load(c / TOKENIZER_FILE)
     if tok.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{c}: tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
     if state.get("tokenizer_sha256") not in (None, tok.sha256):
         raise CheckpointError(f"{c}: tokenizer.model does not match the tokenizer the weights were trained with")
     with torch.device("meta"):  # the config's names and shapes, without allocating a model
-        check_fits(Transformer(cfg), weights, c / MODEL_FILE)
+        check_fits(Transformer(cfg), weights, c / (SHARD_INDEX_FILE if is_sharded(c) else MODEL_FILE))
     return Checkpoint(c, cfg, weights, state, tok)
 
 

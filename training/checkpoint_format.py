@@ -23,6 +23,30 @@ RNG_PREFIX = "rng/"
 CPU_RNG = "torch_cpu"  # the RNG state every checkpoint holds (training.optim.rng_state)
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per parameter
 
+# A sharded checkpoint (FSDP2: each rank writes its own rows, nothing is gathered) holds, instead of
+# model.safetensors and optim.safetensors, one pair of shard files per writing rank and an index:
+#   model.rank00001-of-00002.safetensors   that rank's rows of each weight (dim 0, torch.chunk's split)
+#   optim.rank00001-of-00002.safetensors   its rows of each optimizer moment (rank 0's also: RNG, `step`s)
+#   shards.json                            per tensor: global shape, dtype, and which rows each file holds
+SHARD_INDEX_FILE = "shards.json"
+SHARD_KINDS = ("model", "optim")  # the index's two sections, and the shard files' name stems
+SHARD_FORMAT = 1  # shards.json's own "prodip_shards" version
+
+
+def shard_file(kind: str, rank: int, world_size: int) -> str:
+    """The name of `rank`'s shard file of `kind` ("model" or "optim") in a run of `world_size` ranks."""
+    return f"{kind}.rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def is_sharded(c: Path) -> bool:
+    """A checkpoint folder written by every rank (shards.json) rather than by rank 0 alone."""
+    return (Path(c) / SHARD_INDEX_FILE).is_file()
+
+
+def has_weights(c: Path) -> bool:
+    """The folder holds model weights in either form (model.safetensors, or shards and their index)."""
+    return (Path(c) / MODEL_FILE).is_file() or is_sharded(c)
+
 
 class CheckpointError(ValueError):
     pass
@@ -106,7 +130,7 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"not found: {p}")
-    if (p / MODEL_FILE).is_file() and (p / CONFIG_FILE).is_file():
+    if has_weights(p) and (p / CONFIG_FILE).is_file():
         return p
     if step is not None:
         c = p / layout.CHECKPOINTS / step_dir_name(step)

@@ -9,15 +9,19 @@ host read), copied into reusable host buffers (pinned, with non-blocking copies,
 written by a background thread while training goes on. At most one write is in flight: the next save
 waits for it first, and a write that failed raises its error there (or at `wait()`, before the run
 ends). `asynchronous=False` writes in the caller's thread instead (--no-async-checkpoints, debugging).
+
+Under FSDP2 every rank writes its own shards instead (begin_sharded, write_shard, commit_sharded:
+see "sharded saves" below), synchronously, into one temporary folder that rank 0 renames into place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,12 +35,16 @@ from training.checkpoint_format import (
     MODEL_FILE,
     OPTIM_FILE,
     RNG_PREFIX,
+    SHARD_FORMAT,
+    SHARD_INDEX_FILE,
+    SHARD_KINDS,
     STATE_FILE,
     TMP_PREFIX,
     TOKENIZER_FILE,
     CheckpointError,
     list_checkpoints,
     remove,
+    shard_file,
     step_dir_name,
     step_of,
 )
@@ -119,19 +127,46 @@ def write(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mo
           state: dict | None = None, keep_last: int = 0, keep: Container[int] = ()) -> Path:
     """save() without the finite check (the caller has made it): the atomic write and the pruning."""
     ckpt_root = Path(run_dir) / layout.CHECKPOINTS
-    final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}"
-    try:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_root.glob(TMP_PREFIX + "*"):  # left behind by a save that was killed mid-way
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+    with _writing(ckpt_root, step, tmp):
+        _fresh_tmp(ckpt_root, tmp)
         save_safetensors(_host(weights), tmp / MODEL_FILE,  # the user's umask, not safetensors' 0600
                          metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
         extra = _host(optim_tensors or {})
         extra.update(_host({RNG_PREFIX + k: v for k, v in (rng or {}).items()}))
         if extra:
             save_safetensors(extra, tmp / OPTIM_FILE)
+    return _commit(run_dir, step, tmp, cfg=cfg, tokenizer=tokenizer, state=state, keep_last=keep_last, keep=keep)
+
+
+@contextlib.contextmanager
+def _writing(ckpt_root: Path, step: int, tmp: Path) -> Iterator[None]:
+    """A failed write leaves no temporary folder; an OSError (a full disk) is one clear line."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:  # e.g. a full disk: one clear line, older checkpoints untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {step} in {ckpt_root} ({e}); the previous checkpoints "
+                              "are intact: free some space, then run the same command again to resume") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fresh_tmp(ckpt_root: Path, tmp: Path) -> None:
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(TMP_PREFIX + "*"):  # left behind by a save that was killed mid-way
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _commit(run_dir: Path, step: int, tmp: Path, *, cfg: ModelConfig, tokenizer: Tokenizer, state: dict | None,
+            keep_last: int, keep: Container[int]) -> Path:
+    """The JSON files and the tokenizer into `tmp` (its tensor files are there), everything fsynced, `tmp`
+    renamed into place as step_N, then keep-N pruning."""
+    ckpt_root = Path(run_dir) / layout.CHECKPOINTS
+    final = ckpt_root / step_dir_name(step)
+    with _writing(ckpt_root, step, tmp):
         _write_json(tmp / STATE_FILE, {"prodip_format": FORMAT_VERSION, "step": step,
                                        "tokenizer_sha256": tokenizer.sha256, **(state or {})})
         _write_json(tmp / CONFIG_FILE, cfg.to_dict())
@@ -148,18 +183,84 @@ def write(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mo
         else:
             os.replace(tmp, final)
         _fsync_dir(ckpt_root)
-    except (OSError, SafetensorError) as e:  # e.g. a full disk: one clear line, older checkpoints untouched
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {step} in {ckpt_root} ({e}); the previous checkpoints "
-                              "are intact: free some space, then run the same command again to resume") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if keep_last > 0:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             if step_of(old) not in keep:
                 remove(old)
     return final
+
+
+# ------------------------------------------------------------------- sharded saves (FSDP2, every rank)
+# One save, in three steps with a collective between each (training.loop.checkpointer): rank 0 makes
+# the shared temporary folder (begin_sharded); every rank writes its own shard files into it
+# (write_shard); rank 0 writes the index, state.json, config.json and the tokenizer and renames the
+# folder into place (commit_sharded), so a step_* folder still holds every rank's files or does not exist.
+def sharded_tmp(run_dir: Path, step: int) -> Path:
+    """The temporary folder every rank writes into (one name for all: the ranks' pids differ)."""
+    return Path(run_dir) / layout.CHECKPOINTS / f"{TMP_PREFIX}{step_dir_name(step)}-sharded"
+
+
+def begin_sharded(run_dir: Path, step: int) -> Path:
+    """Rank 0: an empty temporary folder for checkpoint `step` (stale ones from killed saves removed)."""
+    tmp = sharded_tmp(run_dir, step)
+    with _writing(tmp.parent, step, tmp):
+        _fresh_tmp(tmp.parent, tmp)
+    return tmp
+
+
+def write_shard(tmp: Path, step: int, rank: int, world_size: int, *, weights: dict[str, torch.Tensor],
+                optim_tensors: dict[str, torch.Tensor], rng: dict[str, torch.Tensor] | None = None) -> None:
+    """This rank's two shard files (weights in fp32), fsynced; `rng` only from rank 0. On failure the
+    folder is left for rank 0 to remove (the other ranks may still be writing into it)."""
+    try:
+        save_safetensors({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()},
+                         tmp / shard_file("model", rank, world_size),
+                         metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
+        extra = _host(optim_tensors)
+        extra.update(_host({RNG_PREFIX + k: v for k, v in (rng or {}).items()}))
+        save_safetensors(extra, tmp / shard_file("optim", rank, world_size))
+        for kind in SHARD_KINDS:
+            with open(tmp / shard_file(kind, rank, world_size), "rb") as fh:
+                os.fsync(fh.fileno())
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"could not write rank {rank}'s shards of checkpoint {step} in {tmp.parent} ({e}); "
+                              "the previous checkpoints are intact: free some space, then run the same command "
+                              "again to resume") from None
+
+
+def shard_index(world_size: int, tensors: dict[str, dict[str, tuple[list[int], torch.dtype, list | None]]],
+                rng_names: Container[str] = ()) -> dict:
+    """shards.json: per section ("model", "optim") and tensor its global shape, dtype and parts: [file,
+    first row, end row] per writing rank (rows of dim 0), or one [file, null, null] for a whole tensor in
+    rank 0's file. `tensors`: distributed.ShardedState.layout; `rng_names` (RNG states) are rank 0's, whole."""
+    index: dict = {"prodip_shards": SHARD_FORMAT, "world_size": world_size, "files": [],
+                   **{kind: {} for kind in SHARD_KINDS}}
+    writers = {0}
+    for kind in SHARD_KINDS:
+        for name, (shape, dtype, slices) in tensors.get(kind, {}).items():
+            if slices is None:
+                parts = [[shard_file(kind, 0, world_size), None, None]]
+            else:
+                writers.update(r for r, _, _ in slices)
+                parts = [[shard_file(kind, r, world_size), lo, hi] for r, lo, hi in slices if hi > lo]
+            stored = torch.float32 if kind == "model" and dtype.is_floating_point else dtype  # fp32 weights
+            index[kind][name] = {"shape": shape, "dtype": str(stored).removeprefix("torch."), "parts": parts}
+    for name in rng_names:
+        index["optim"][RNG_PREFIX + name] = {"shape": None, "dtype": "uint8",
+                                             "parts": [[shard_file("optim", 0, world_size), None, None]]}
+    index["files"] = [shard_file(kind, r, world_size) for r in sorted(writers) for kind in SHARD_KINDS]
+    return index
+
+
+def commit_sharded(run_dir: Path, step: int, tmp: Path, *, index: dict, cfg: ModelConfig, tokenizer: Tokenizer,
+                   state: dict | None = None, keep_last: int = 0, keep: Container[int] = ()) -> Path:
+    """Rank 0, once every rank's shards are in `tmp`: the index, then as write() (JSON, rename, keep-N)."""
+    with _writing(tmp.parent, step, tmp):
+        missing = [f for f in index["files"] if not (tmp / f).is_file()]
+        if missing:  # every rank reported success: a file gone now is another process's doing
+            raise CheckpointError(f"{tmp / missing[0]}: a rank's shard file is missing; checkpoint {step} not saved")
+        _write_json(tmp / SHARD_INDEX_FILE, index)
+    return _commit(run_dir, step, tmp, cfg=cfg, tokenizer=tokenizer, state=state, keep_last=keep_last, keep=keep)
 
 
 class CheckpointWriter:

@@ -112,6 +112,7 @@ class TrainConfig:
     compile: bool = False
     fsdp: bool = False
     fsdp_reshard_after_forward: bool = True
+    fsdp_sharded_checkpoints: bool = True
     activation_checkpointing: bool = False
     seed: Seed = 1337
     eval_every: Count = 100
@@ -206,6 +207,8 @@ HELP: dict[str, str] = {
     "fsdp_reshard_after_forward": "FSDP2: free each block's gathered weights after its forward (least memory); "
                                   "--no-fsdp-reshard-after-forward keeps them for the backward (one all-gather "
                                   "per block and micro-batch less, one more bf16 copy of the weights per GPU)",
+    "fsdp_sharded_checkpoints": "FSDP2: each rank writes its own shards of a checkpoint, nothing is gathered "
+                                "(--no-fsdp-sharded-checkpoints: gathered to rank 0, which writes one file)",
     "activation_checkpointing": "recompute each block's activations in backward (less memory)",
     "seed": "random seed, in [0, 2^63)",
     "eval_every": "validate every N steps (0: never)",

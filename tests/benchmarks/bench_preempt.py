@@ -3,8 +3,9 @@
     python tests/benchmarks/bench_preempt.py --preset 400m --out /tmp/bench-preempt
 
 Trains `--preset` (fp32, CPU, gloo) with `training/train.py` as a user runs it, once per launch
-(one process; `torchrun` with 2 workers under DDP; the same under FSDP2, whose save gathers every
-shard to rank 0 first), waits for the first optimizer step in log.jsonl, then sends SIGTERM to the
+(one process; `torchrun` with 2 workers under DDP; the same under FSDP2, where every rank writes
+its own shards; and FSDP2 with `--no-fsdp-sharded-checkpoints`, whose save gathers every shard to
+rank 0 first: the peer the sharded save replaces), waits for the first optimizer step in log.jsonl, then sends SIGTERM to the
 launcher only, as a provider or Kubernetes does (torchrun's agent forwards it to its workers). It
 measures signal → exit and reads the run's own record of the save (`{"event": "checkpoint"}`:
 stall_ms, write_s, bytes). torchrun SIGKILLs workers `--shutdown-timeout` seconds (default
@@ -39,7 +40,7 @@ sys.path[:0] = [str(REPO)]
 
 SHUTDOWN_TIMEOUT_S = 30  # torchrun's default --shutdown-timeout (torch.distributed.elastic agent)
 CORPUS = REPO / "training" / "assets" / "corpus"
-LAUNCHES = ("single", "ddp", "fsdp")
+LAUNCHES = ("single", "ddp", "fsdp", "fsdp-gather")
 MEASURE_TIMEOUT_S = 900  # the grace this benchmark gives torchrun where it can (--shutdown-timeout)
 STEP_WAIT_S = 900.0  # how long the first optimizer step may take (a 400m model on 2 shared CPU cores)
 
@@ -64,7 +65,7 @@ def launch_cmd(kind: str, preset: str, data: Path, out: Path) -> list[str]:
                                                "throughput", "frozen_parameters") for x in ("--skip-gate", g)]]
     if kind == "single":
         return [sys.executable, *train]
-    fsdp = ["--fsdp"] if kind == "fsdp" else []
+    fsdp = {"fsdp": ["--fsdp"], "fsdp-gather": ["--fsdp", "--no-fsdp-sharded-checkpoints"]}.get(kind, [])
     # a long grace period, so the save is measured whatever it takes; the table compares it with the default
     grace = ["--shutdown-timeout", str(MEASURE_TIMEOUT_S)] if torchrun_has_shutdown_timeout() else []
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
@@ -127,14 +128,16 @@ def one(kind: str, preset: str, data: Path, tmp: Path) -> dict:
     rec = saved[-1] if saved else {}
     return {"launch": kind, "exit_code": p.returncode, "first_step_s": round(first_step_s, 1),
             "signal_to_exit_s": round(exit_s, 2), "stall_ms": rec.get("stall_ms"), "write_s": rec.get("write_s"),
+            "async": rec.get("async", True), "sharded": rec.get("sharded", False),
             "bytes": rec.get("bytes"), "params": n_params, "checkpoint": str(latest) if latest else None,
             "loaded": loaded, "preempted_logged": any(r.get("event") == "preempted" for r in events),
             "within_grace": loaded and exit_s < SHUTDOWN_TIMEOUT_S, "tail": output[-600:]}
 
 
 def save_s(r: dict) -> float:
-    """The save's own seconds: the training thread's part (finite check, gather, copy) and the write."""
-    return (r["stall_ms"] or 0) / 1e3 + (r["write_s"] or 0)
+    """The save's own seconds: the training thread's part (finite check, gather, copy) and, for an
+    asynchronous save, the background write (a synchronous save's stall already holds its write)."""
+    return (r["stall_ms"] or 0) / 1e3 + ((r["write_s"] or 0) if r.get("async", True) else 0.0)
 
 
 def markdown(rows: list[dict], ratio: float, preset: str) -> str:

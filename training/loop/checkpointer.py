@@ -4,13 +4,16 @@ What a checkpoint's state.json holds beyond the model, optimizer and RNG tensors
 registered components (`register(key, component)`: `state_dict()` at save, `load_state_dict()` at
 resume; key None merges the component's keys at the top level), never packed by hand. Rank 0 alone
 writes (training.checkpoint.CheckpointWriter, on a background thread unless --no-async-checkpoints);
-every rank gathers and learns of a failed write. Nothing is written by find_latest or resume.
+every rank gathers and learns of a failed write. Under FSDP2 every rank writes its own shards instead
+(nothing gathered; synchronous), and rank 0 commits the folder (`_save_sharded`). Nothing is written
+by find_latest or resume.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import shutil
 import sys
 import time
 from collections.abc import Callable, Container
@@ -58,6 +61,8 @@ class Checkpointer:
         self.out, self.dist, self.device, self.cfg, self.kind = Path(out), d, device, cfg, kind
         self.log, self.say = log, say  # a --reset-optimizer resume is recorded in log.jsonl and said
         self.writer = ckpt.CheckpointWriter(asynchronous=cfg.async_checkpoints)  # rank 0 alone writes with it
+        # FSDP2: every rank writes its own shards (no gather); the writer then only keeps the timings
+        self.sharded = bool(cfg.fsdp and d.enabled and cfg.fsdp_sharded_checkpoints)
         self.components: list[tuple[str | None, str, Stateful]] = []
         self.saved_step = 0
         self.keep: Callable[[], Container[int]] = tuple  # steps keep-N must not prune (the best, early stopping)
@@ -98,7 +103,7 @@ class Checkpointer:
         if latest is None:
             return None
         st = ckpt.read_state(latest, ckpt.RESUME_STATE_SCHEMA)
-        if not (latest / ckpt.MODEL_FILE).is_file():
+        if not ckpt.has_weights(latest):
             raise ckpt.CheckpointError(f"cannot resume {latest}: {latest / ckpt.MODEL_FILE} (the model weights) "
                                        "not found; delete that checkpoint to resume from the one before")
         ckpt.check_readable(latest)  # headers only, cheap: a truncated file fails before anything is loaded
@@ -204,6 +209,9 @@ class Checkpointer:
         """The RNG states alone from a checkpoint's optimizer file (the other ranks' share of a resume)."""
         from safetensors import SafetensorError, safe_open
 
+        if ckpt.is_sharded(path):  # rank 0's RNG states, from its shard file: headers and those tensors only
+            with ckpt.ShardedReader(path, "optim") as r:
+                return {k[len(ckpt.RNG_PREFIX):]: r.get_tensor(k) for k in r.names if k.startswith(ckpt.RNG_PREFIX)}
         f = path / ckpt.OPTIM_FILE
         if not f.is_file():
             return {}
@@ -225,6 +233,9 @@ class Checkpointer:
         if d.any(bool(bad), self.device):
             raise ckpt.CheckpointError(f"refusing to save step {step}: "
                                        f"{bad[0] if bad else 'a tensor on another rank'} holds non-finite values")
+        if self.sharded:
+            self._save_sharded(step, views, tokenizer, t0)
+            return
         # single process and DDP: the live tensors on the device (the writer copies them to pinned host
         # memory); FSDP2: gathered to CPU on rank 0, one tensor at a time (no full copy on the GPU)
         offload = self.cfg.fsdp and d.enabled
@@ -232,15 +243,11 @@ class Checkpointer:
         optim_sd = D.full_optimizer_state(views.wrapped, views.optimizer, rank0_only=offload)
         if d.is_main:
             tensors, groups = ckpt.flatten_optimizer(optim_sd, [])
-            state: dict[str, Any] = {"kind": self.kind, "optimizer_param_groups": groups,
-                                     "world_size": d.world_size, "train": self.cfg.to_dict()}
-            for key, _, component in self.components:
-                part = component.state_dict()
-                state.update(part if key is None else {key: part})
             model_cfg = views.model.cfg
             self.writer.save(self.out, step, weights=ckpt.drop_tied(weights, model_cfg), cfg=model_cfg,
-                             tokenizer=tokenizer, optim_tensors=tensors, rng=optim.rng_state(self.device), state=state,
-                             keep_last=self.cfg.keep_last, keep=self.keep(), fresh=offload, checked=True)
+                             tokenizer=tokenizer, optim_tensors=tensors, rng=optim.rng_state(self.device),
+                             state=self._state(groups), keep_last=self.cfg.keep_last, keep=self.keep(), fresh=offload,
+                             checked=True)
             if self.mirror is not None:
                 self.mirror.checkpoint(step)
         d.barrier()
@@ -249,6 +256,59 @@ class Checkpointer:
             self.landing = {"step": step, "stall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
             if not self.cfg.async_checkpoints:  # written already: its event need not wait for the next finish()
                 self._log_landed(0.0)
+
+    def _state(self, groups: list[dict]) -> dict[str, Any]:
+        """state.json's contents beyond step and tokenizer: the registered components' states."""
+        state: dict[str, Any] = {"kind": self.kind, "optimizer_param_groups": groups,
+                                 "world_size": self.dist.world_size, "train": self.cfg.to_dict()}
+        for key, _, component in self.components:
+            part = component.state_dict()
+            state.update(part if key is None else {key: part})
+        return state
+
+    def _save_sharded(self, step: int, views: ModelViews, tokenizer: Tokenizer, t0: float) -> None:
+        """FSDP2: every rank writes its own shards into one temporary folder, nothing is gathered; then
+        rank 0 writes the index and the JSON files and renames the folder into place (atomic as ever).
+        Synchronous on every rank (a background write would need the ranks to agree on its end off the
+        training thread); each rank writes only 1/world of the state. Three small collectives order it."""
+        d, dev, model_cfg = self.dist, self.device, views.model.cfg
+        drop = {"output.weight"} if model_cfg.tie_embeddings else set()
+
+        def local() -> D.ShardedState:
+            D.reshard(views.model)  # parameters() are this rank's shards again (a no-op after a backward)
+            try:
+                return D.sharded_state(views.model, views.optimizer, d.rank, drop)
+            except ValueError as e:
+                raise ckpt.CheckpointError(f"cannot save checkpoint {step} sharded ({e}); "
+                                           "--no-fsdp-sharded-checkpoints gathers it to rank 0 instead") from None
+
+        st = agreed(d, dev, f"collecting checkpoint {step}'s shards", local)
+        rng = optim.rng_state(dev) if d.is_main else {}
+        index = ckpt.shard_index(d.world_size, st.layout, rng_names=list(rng))
+        tmp = ckpt.sharded_tmp(self.out, step)
+        t_write = time.perf_counter()
+        agreed(d, dev, f"starting checkpoint {step}", lambda: ckpt.begin_sharded(self.out, step) if d.is_main else None)
+        try:
+            writes = ckpt.shard_file("model", d.rank, d.world_size) in index["files"]  # not an HSDP replica
+            agreed(d, dev, f"writing checkpoint {step}'s shards",
+                   lambda: ckpt.write_shard(tmp, step, d.rank, d.world_size, weights=st.weights, optim_tensors=st.optim,
+                                            rng=rng) if writes else None)
+            agreed(d, dev, f"committing checkpoint {step}",
+                   lambda: ckpt.commit_sharded(self.out, step, tmp, index=index, cfg=model_cfg, tokenizer=tokenizer,
+                                               state=self._state(st.param_groups), keep_last=self.cfg.keep_last,
+                                               keep=self.keep()) if d.is_main else None)
+        except BaseException:
+            if d.is_main:  # every rank has stopped writing into it: agreed() is a collective
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.saved_step = step
+        if d.is_main:
+            if self.mirror is not None:
+                self.mirror.checkpoint(step)
+            self.writer.write_s.append(time.perf_counter() - t_write)
+            self.writer.stall_s.append(time.perf_counter() - t0)
+            self.landing = {"step": step, "stall_ms": round((time.perf_counter() - t0) * 1e3, 3), "sharded": True}
+            self._log_landed(0.0)  # on disk already
 
     def finish(self, then: Callable[[], None] | None = None) -> None:
         """Block until rank 0's write in flight is on disk; its error is raised on every rank (one tiny
@@ -286,7 +346,8 @@ class Checkpointer:
         path = self.out / layout.CHECKPOINTS / ckpt.step_dir_name(rec["step"])
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else 0
         self.log({"event": "checkpoint", **rec, "write_s": round(self.writer.write_s[-1], 4),
-                  "wait_ms": round(waited_s * 1e3, 3), "bytes": size, "async": self.cfg.async_checkpoints})
+                  "wait_ms": round(waited_s * 1e3, 3), "bytes": size,
+                  "async": self.cfg.async_checkpoints and not rec.get("sharded", False)})  # sharded: synchronous
 
     def timings(self) -> dict:
         """Seconds the loop was blocked per save, and each write's own seconds (for the summary)."""

@@ -9,74 +9,89 @@ is not bad input: the run trains locally and the uploads are retried.
 
 Several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE): each node trains in its own cache, rank 0
 alone writes and uploads, and at start every other node pulls the checkpoint rank 0 resumes from,
-committed first when only node 0 had it (training.loop.mirror_nodes, run by Checkpointer.pull_remote).
+committed first when only node 0 had it (training.loop.mirror_nodes, run by Checkpointer.pull_remote,
+with `upload_checkpoint`, synchronously, in this process).
 
-During the run, rank 0's background thread uploads each checkpoint once its folder is renamed into
-place (complete by construction, training.checkpoint): its files are hard-linked into a staging
-folder first (keep-N may prune the local one meanwhile), uploaded, then the run files (log.jsonl up to
-that step at least), then the commit marker (training.remote), then remote keep-N. The queue is
-bounded: a checkpoint still waiting when newer ones arrive is superseded, so a slow or down store
-never holds memory or the training thread. Failures are retried with a doubling back-off, with one
-warning line; `close()` waits (up to FLUSH_S) for the last upload, so a preempted run exits on a
-committed remote checkpoint.
+During the run, rank 0 hands each checkpoint's step to an upload *child process*
+(training.loop.mirror_worker; its own interpreter lock, at a lower CPU priority, so the upload's
+Python work never holds the training loop's GIL): once the checkpoint's folder is renamed into place
+(complete by construction, training.checkpoint) its files are hard-linked into a staging folder
+(keep-N may prune the local one meanwhile), uploaded, then the run files (log.jsonl up to that step
+at least), then the commit marker (training.remote), then remote keep-N. The hand-off is one line
+written to a pipe, never blocking. The queue is bounded: a checkpoint still waiting when newer ones
+arrive is superseded, so a slow or down store never holds memory or the training thread. Failures
+are retried with a doubling back-off, with one warning line; a store holding another run (Refused)
+stops the uploads and ends the run with an error as at start-up. A child that dies is said once in a
+warning and restarted (at most RESTARTS times) with the newest checkpoint handed over again.
+`close()` waits (up to FLUSH_S) for the last upload, so a preempted run exits on a committed remote
+checkpoint; a child still uploading then is killed (its checkpoint has no marker, so it is never used).
+`Mirror(..., uploader="thread")` runs the same work on a thread in this process instead: the
+benchmark's peer (tests/benchmarks/bench_remote.py), not used by train.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Container
 from pathlib import Path
+from typing import Any
 
+import training
 from training import distributed as D
 from training import layout, remote, remote_data
 from training.config import ConfigError, TrainConfig
+from training.loop.mirror_worker import STAGING, Refused, Uploader, env_float, step_name
 from training.loop.ranks import TrainError
 from training.model import ModelConfig
 
-STAGING = ".mirror"  # RUN_CACHE/.mirror/: hard-linked snapshots of what is being uploaded
-QUEUE = 4  # checkpoints waiting at most: an older one waiting is superseded by a newer one
-POLL_S = 0.02  # how often the thread looks for the checkpoint folder the writer renames into place
-BACKOFF_S = (0.5, 60.0)  # first retry delay, longest (PRODIP_MIRROR_BACKOFF_MAX_S overrides it)
+__all__ = ["FLUSH_S", "Mirror", "Refused", "pull_data", "step_name"]
+
 FLUSH_S = 120.0  # close(): how long the last uploads may take (PRODIP_MIRROR_FLUSH_S overrides it)
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return max(0.0, float(os.environ.get(name, default)))
-    except ValueError:
-        return default
-
-
-class Refused(Exception):  # noqa: N818 (a refusal, raised inside the thread)
-    pass
-
-
-def step_name(step: int) -> str:
-    return f"{layout.STEP_PREFIX}{step:07d}"
+UNREACHED_FLUSH_S = 15.0  # close(): the last try of a store never reached in this run
+READY_S = 30.0  # start(): how long the training thread waits, once, for the child's start-up
+JOIN_GRACE_S = 2.0  # close(): beyond the flush deadline, the child's time to say it is done
+RESTARTS = 3  # a child that died is restarted this many times at most (one that cannot start stops there)
+WORKER = "training.loop.mirror_worker"
+UPLOADERS = ("process", "thread")
 
 
 class Mirror:
-    def __init__(self, url: str, cache: Path, d: D.Dist, cfg: TrainConfig, say: Callable[[str], None]):
+    def __init__(self, url: str, cache: Path, d: D.Dist, cfg: TrainConfig, say: Callable[[str], None],
+                 uploader: str = "process"):
+        if uploader not in UPLOADERS:
+            raise ValueError(f"uploader {uploader!r}: one of {UPLOADERS}")
         self.url, self.cache, self.dist, self.cfg, self.say = url.rstrip("/"), cache, d, cfg, say
-        self.remote: remote.Remote | None = None  # rank 0's
+        self.uploader = uploader
         self.keep: Callable[[], Container[int]] = tuple  # steps remote keep-N must not prune (early stopping's best)
-        self.reached = False  # the store answered at least once in this process
-        self.committed_step = 0  # the newest checkpoint this process committed remotely
-        self._queue: deque[int] = deque()
-        self._files_due = False
-        self._closing = False
-        self._cv = threading.Condition()
+        # the upload state (reached, committed_step, refused, ...): the work itself in-process (start-up,
+        # mirror_nodes' synchronous upload, the thread peer), else a copy the child's reports keep current
+        keep_last = cfg.keep_last if cfg is not None else 0  # a node's mirror that only pulls may have no config
+        self._up = Uploader(self.url, cache, keep_last, self._on_report)
+        self._up.keep = lambda: self.keep()
+        self._lock = threading.Lock()  # the child, its pipe, and its replacement after a death
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self._thread: threading.Thread | None = None
-        self._failing = False  # inside an outage: its warning is said once
-        self._checked = False  # the store holds nothing but this run (prepare(), or _verified())
-        self.start_over = False  # --force over another run at the URL: its checkpoints go before the first upload
-        self.refused = ""  # why nothing is uploaded (the store turned out to hold another run)
-        self._deadline = 0.0
+        self._closing = False
+        self._last_step = 0  # the newest step handed over (handed over again to a restarted child)
+        self._restarts = 0
+        self._end_pending: bool | None = None  # the child's last word: uploads still pending at its end
+        self._ready = threading.Event()  # the child is up: a checkpoint handed over is staged at once
+
+    # the upload state lives in the Uploader: one copy of each flag, whichever side writes it
+    remote = property(lambda self: self._up.remote, lambda self, v: setattr(self._up, "remote", v))
+    reached = property(lambda self: self._up.reached, lambda self, v: setattr(self._up, "reached", v))
+    committed_step = property(lambda self: self._up.committed_step)
+    refused = property(lambda self: self._up.refused)
+    start_over = property(lambda self: self._up.start_over, lambda self, v: setattr(self._up, "start_over", v))
+    _checked = property(lambda self: self._up.checked, lambda self, v: setattr(self._up, "checked", v))
+    _failing = property(lambda self: self._up.failing, lambda self, v: setattr(self._up, "failing", v))
 
     # ----------------------------------------------------------------------------- start-up
     @classmethod
@@ -138,169 +153,93 @@ class Mirror:
 
     # ------------------------------------------------------------------------------ the run
     def start(self) -> None:
-        if self.dist.is_main and self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="mirror", daemon=True)
+        if not self.dist.is_main or self._thread is not None or self._proc is not None:
+            return
+        if self.uploader == "thread":
+            self._thread = threading.Thread(target=self._up.work, name="mirror", daemon=True)
             self._thread.start()
+            return
+        with self._lock:
+            self._spawn()
+        self._ready.wait(READY_S)  # once, before the first step: the first checkpoints are not pruned unseen
+
+    def _spawn(self) -> None:
+        """A new child (under self._lock), told the upload state so far; its reports read on a thread."""
+        env = dict(os.environ)
+        root = str(Path(training.__file__).resolve().parents[1])  # train.py may run from a checkout, not installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self._proc = subprocess.Popen([sys.executable, "-m", WORKER], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env)
+        self._send(["init", {"url": self.url, "cache": str(self.cache), "keep_last": self._up.keep_last,
+                             "state": self._up.state()}])
+        if self._last_step > self.committed_step:  # handed over before start(), or to a child that died
+            self._send(["checkpoint", self._last_step, self._keep()])
+        self._reader = threading.Thread(target=self._read, args=(self._proc,), name="mirror-reports", daemon=True)
+        self._reader.start()
+
+    def _send(self, msg: list[Any]) -> None:
+        """One line to the child (under self._lock)."""
+        self._send_to(self._proc, msg)
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            with contextlib.suppress(ValueError):  # a line cut short by the child's death
+                kind, value = json.loads(line)
+                self._on_report(kind, value)
+        rc = proc.wait()
+        with self._lock:
+            if self._closing or proc is not self._proc:
+                return
+            if self._restarts >= RESTARTS:
+                self.say(f"warning: the upload process for {self.url} ended (exit code {rc}) {self._restarts + 1} "
+                         "times; nothing more is uploaded in this run (run the same command again to upload it)")
+                self._proc = None
+                return
+            self._restarts += 1
+            self.say(f"warning: the upload process for {self.url} ended (exit code {rc}); it is restarted, "
+                     "and the newest checkpoint is uploaded again")
+            self._spawn()
+            self._send(["run_files"])
+
+    def _on_report(self, kind: str, value: Any) -> None:
+        if kind == "say":
+            self.say(value)
+        elif kind == "state" and self.uploader == "process":
+            self._up.load(value)
+        elif kind == "ready":
+            self._ready.set()
+        elif kind == "end":
+            self._end_pending = bool(value)
+
+    def _keep(self) -> list[int]:
+        return sorted(int(s) for s in self.keep())
 
     def checkpoint(self, step: int) -> None:
         """Upload checkpoint `step` once the writer has renamed it into place (never blocks)."""
         if not self.dist.is_main:
             return
-        with self._cv:
-            if len(self._queue) >= QUEUE:
-                self._queue.popleft()  # superseded: a newer checkpoint is on its way
-            self._queue.append(step)
-            self._cv.notify()
+        if self.uploader == "thread":
+            self._up.checkpoint(step)
+            return
+        with self._lock:
+            self._last_step = max(self._last_step, step)
+            if self._proc is not None:  # else start() or the restart hands it over
+                self._send(["checkpoint", step, self._keep()])
 
     def run_files(self) -> None:
         if not self.dist.is_main:
             return
-        with self._cv:
-            self._files_due = True
-            self._cv.notify()
-
-    def _work(self) -> None:
-        delay = BACKOFF_S[0]
-        while True:
-            with self._cv:
-                while not (self._queue or self._files_due or self._closing):
-                    self._cv.wait()
-                if not (self._queue or self._files_due) or (self.refused and self._closing):
-                    return
-                if self.refused:  # the store holds another run: nothing more is uploaded
-                    self._queue.clear()
-                    self._files_due = False
-                    continue
-                step = self._queue[0] if self._queue else None
-                if step is None:
-                    self._files_due = False
-            if self._attempt(step):
-                delay = BACKOFF_S[0]
-                continue
-            with self._cv:
-                if step is None:
-                    self._files_due = True
-                elif len(self._queue) > 1 and self._queue[0] == step:  # superseded while the store was down
-                    self._queue.popleft()
-                    shutil.rmtree(self.cache / STAGING / step_name(step), ignore_errors=True)
-                if self._closing and time.monotonic() > self._deadline:
-                    return
-                self._cv.wait(delay)
-            delay = min(delay * 2, _env_float("PRODIP_MIRROR_BACKOFF_MAX_S", BACKOFF_S[1]))
-
-    def _attempt(self, step: int | None) -> bool:
-        """One upload (checkpoint `step`, or the run files): True when done (or refused for good)."""
-        try:
-            if step is not None:
-                self.upload_checkpoint(step)
-            else:
-                self._upload_run_files()
-        except Refused as e:  # the store holds another run (seen once it answered): no upload at all
-            self.refused = str(e)
-            self.say(f"warning: {e}; nothing is uploaded, the run goes on in {self.cache}")
-            return True
-        except Exception as e:  # an outage, a full disk, a denied write: retried (the thread never dies)
-            if not self._failing:
-                self._failing = True
-                self.say(f"warning: uploading to {self.url} failed ({e}); training goes on locally in "
-                         f"{self.cache}, retrying with back-off")
-            return False
-        self.reached = True
-        if self._failing:
-            self._failing = False
-            self.say(f"uploads to {self.url} resumed")
-        with self._cv:
-            if step is not None and self._queue and self._queue[0] == step:
-                self._queue.popleft()
-        return True
+        if self.uploader == "thread":
+            self._up.run_files()
+            return
+        with self._lock:
+            if self._proc is not None:
+                self._send(["run_files"])
 
     def upload_checkpoint(self, step: int, prune: bool = True) -> bool:
-        """Checkpoint `step`, then its marker; False when it was gone before it could be staged."""
-        name = step_name(step)
-        staged = self.cache / STAGING / name
-        if not staged.is_dir() and not self._snapshot(step, staged):
-            return False  # failed or pruned before it could be taken: a newer checkpoint supersedes it
-        r = self._verified()
-        self._upload_run_files()  # log.jsonl holds this step's record: it is up before the marker is
-        r.upload_checkpoint(staged, step)
-        self.committed_step = max(self.committed_step, step)
-        shutil.rmtree(staged, ignore_errors=True)
-        if prune:
-            self._prune()
-        return True
-
-    def _snapshot(self, step: int, staged: Path) -> bool:
-        """Hard links to the checkpoint's files once its folder is in place; False when it never will be."""
-        folder = self.cache / layout.CHECKPOINTS / step_name(step)
-        while not folder.is_dir():
-            with self._cv:  # a newer save, or the end, means its write is over (the writer waited for it)
-                over = self._closing or any(s > step for s in self._queue)
-            if over and not folder.is_dir():
-                return False  # its write failed, or keep-N pruned it already
-            with self._cv:
-                self._cv.wait(POLL_S)
-        tmp = staged.with_name(f".tmp-{staged.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            for f in folder.iterdir():
-                try:
-                    os.link(f, tmp / f.name)
-                except OSError:
-                    shutil.copy2(f, tmp / f.name)
-        except FileNotFoundError:  # pruned by keep-N meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
-            return False
-        os.replace(tmp, staged)
-        return True
-
-    def _verified(self) -> remote.Remote:
-        """The store, once it holds nothing that is not this run: checked at start-up, or at the first
-        answer of a store that was down then; a --force start-over removes the old run's checkpoints first."""
-        r = self.remote = self.remote or remote.Remote(self.url)
-        if not self._checked:
-            names = r.names()
-            theirs = r.read_json(layout.RUN_CONFIG, "run config") if layout.RUN_CONFIG in names else None
-            mine = layout.read_run_config(self.cache) or {}
-            if theirs is not None and theirs.get("model") != mine.get("model") and not self.start_over:
-                raise Refused(f"{self.url} holds a run with another model config")
-            if theirs is None and names and layout.RUN_MARKER not in names and not self.start_over:
-                raise Refused(f"{self.url} is not empty and is not a prodip run (it holds {names[0]!r})")
-            self._checked = True
-        if self.start_over:
-            r.remove(layout.CHECKPOINTS, recursive=True)
-            r.remove(layout.LOG)
-            r.remove(remote.EXPORT_COMMIT)  # the old run's written-back exports: marker first
-            r.remove(layout.EXPORT, recursive=True)
-            self.start_over = False
-        return r
-
-    def _upload_run_files(self) -> None:
-        r = self._verified()
-        staging = self.cache / STAGING
-        staging.mkdir(parents=True, exist_ok=True)
-        for name in remote.RUN_FILES:
-            src = self.cache / name
-            if not src.is_file():
-                continue
-            copy = staging / name  # a still-growing log.jsonl is uploaded as it was at one moment
-            shutil.copyfile(src, copy)
-            r.put(copy, name)
-            copy.unlink()
-
-    def _prune(self) -> None:
-        """Remote keep-N (the steps `keep` names stay), and step folders no marker vouches for below the newest."""
-        keep_last = self.cfg.keep_last
-        committed, partial = self.remote.scan()
-        steps = [s for s, _ in committed]
-        newest = steps[-1] if steps else 0
-        keep = self.keep()
-        doomed = [s for s in steps[:-keep_last] if s not in keep] if keep_last > 0 else []
-        for s in doomed:
-            self.remote.remove_checkpoint(step_name(s))
-        for name in partial:
-            if int(name[len(layout.STEP_PREFIX):]) < newest:
-                self.remote.remove_checkpoint(name)
+        """Checkpoint `step`, then its marker, now, in this process (mirror_nodes, before start());
+        False when it was gone before it could be staged."""
+        return self._up.upload_checkpoint(step, prune)
 
     # ------------------------------------------------------------------------------ the end
     def close(self, allow_local_only: bool) -> str:
@@ -309,16 +248,11 @@ class Mirror:
         process ran (unless allow_local_only)."""
         if not self.dist.is_main:
             return ""
-        if self._thread is not None:
-            flush = _env_float("PRODIP_MIRROR_FLUSH_S", FLUSH_S)  # a store never reached gets a short last try
-            self._deadline = time.monotonic() + (flush if self.reached else min(flush, 15.0))
-            self.run_files()
-            with self._cv:
-                self._closing = True
-                self._cv.notify()
-            self._thread.join(max(0.0, self._deadline - time.monotonic()) + 1.0)
-            pending = self._thread.is_alive() or bool(self._queue)
-            self._thread = None
+        started = self._thread is not None or self._proc is not None
+        if started:
+            flush = env_float("PRODIP_MIRROR_FLUSH_S", FLUSH_S)  # a store never reached gets a short last try
+            seconds = flush if self.reached else min(flush, UNREACHED_FLUSH_S)
+            pending = self._join_thread(seconds) if self._thread is not None else self._join_child(seconds)
             if pending:
                 self.say(f"warning: the uploads to {self.url} did not finish; the newest committed remote "
                          f"checkpoint is step {self.committed_step or 'none'}; the run is complete in {self.cache} "
@@ -336,6 +270,39 @@ class Mirror:
                 return msg + "; --allow-local-only accepts a local-only run"
             self.say(f"warning: {msg}")
         return ""
+
+    def _join_thread(self, seconds: float) -> bool:
+        self._up.finish(seconds)
+        self._thread.join(seconds + 1.0)
+        pending = self._thread.is_alive() or self._up.pending()
+        self._thread = None
+        return pending
+
+    def _join_child(self, seconds: float) -> bool:
+        """The run files once more, then the child's end (its last state and whether uploads are pending)."""
+        with self._lock:
+            self._closing = True
+            proc, reader = self._proc, self._reader
+            self._proc = None
+            if proc is None:  # given up after RESTARTS deaths
+                return True
+            self._send_to(proc, ["run_files"])
+            self._send_to(proc, ["close", seconds])
+        reader.join(seconds + JOIN_GRACE_S)
+        if proc.poll() is None:  # past the deadline: the upload in flight is cut (no marker: never used)
+            proc.kill()
+            proc.wait()
+            reader.join(JOIN_GRACE_S)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        return self._end_pending is not False  # None: it died, or was killed, before its last word
+
+    @staticmethod
+    def _send_to(proc: subprocess.Popen, msg: list[Any]) -> None:
+        """A pipe's buffer takes a line at once; a dead child's pipe is ignored (its reader restarts it)."""
+        with contextlib.suppress(OSError, ValueError):
+            proc.stdin.write((json.dumps(msg) + "\n").encode())
+            proc.stdin.flush()
 
 
 def pull_data(cfg: TrainConfig, kind: str, d: D.Dist, say: Callable[[str], None]) -> Path | None:
