@@ -232,7 +232,7 @@ def shard_index(world_size: int, tensors: dict[str, dict[str, tuple[list[int], t
                 rng_names: Container[str] = ()) -> dict:
     """shards.json: per section ("model", "optim") and tensor its global shape, dtype and parts: [file,
     first row, end row] per writing rank (rows of dim 0), or one [file, null, null] for a whole tensor in
-    rank 0's file. `tensors`: distributed.ShardedState.layout; `rng_names` (RNG states) are rank 0's, whole."""
+    rank 0's file. `tensors`: distributed_shards.ShardedState.layout; `rng_names` (RNG states) are rank 0's, whole."""
     index: dict = {"prodip_shards": SHARD_FORMAT, "world_size": world_size, "files": [],
                    **{kind: {} for kind in SHARD_KINDS}}
     writers = {0}

@@ -24,6 +24,7 @@ import torch
 
 from training import checkpoint as ckpt
 from training import distributed as D
+from training import distributed_shards as shards
 from training import layout, optim
 from training.config import TrainConfig
 from training.loop import mirror_nodes
@@ -274,10 +275,10 @@ class Checkpointer:
         d, dev, model_cfg = self.dist, self.device, views.model.cfg
         drop = {"output.weight"} if model_cfg.tie_embeddings else set()
 
-        def local() -> D.ShardedState:
+        def local() -> shards.ShardedState:
             D.reshard(views.model)  # parameters() are this rank's shards again (a no-op after a backward)
             try:
-                return D.sharded_state(views.model, views.optimizer, d.rank, drop)
+                return shards.sharded_state(views.model, views.optimizer, d.rank, drop)
             except ValueError as e:
                 raise ckpt.CheckpointError(f"cannot save checkpoint {step} sharded ({e}); "
                                            "--no-fsdp-sharded-checkpoints gathers it to rank 0 instead") from None
