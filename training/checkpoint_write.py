@@ -52,6 +52,8 @@ from training.files import save_safetensors
 from training.model import ModelConfig
 from training.tokenizer import Tokenizer
 
+WEIGHTS_METADATA = {"format": "pt", "prodip_format": str(FORMAT_VERSION)}  # a weights file's safetensors header
+
 
 def drop_tied(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The weights a checkpoint stores: the tied head dropped (safetensors stores no shared tensors)."""
@@ -60,7 +62,11 @@ def drop_tied(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
 
 def weights_for_save(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Contiguous CPU fp32 tensors, the tied head dropped (CPU fp32 ones are not copied)."""
-    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in drop_tied(state_dict, cfg).items()}
+    return _fp32_host(drop_tied(state_dict, cfg))
+
+
+def _fp32_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
 
 
 def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -122,6 +128,14 @@ def _host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}  # no copy for CPU tensors
 
 
+def _optim_file_tensors(optim_tensors: dict[str, torch.Tensor] | None,
+                        rng: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """What an optimizer file holds: the moments (and step counts) and the RNG states under RNG_PREFIX."""
+    out = _host(optim_tensors or {})
+    out.update(_host({RNG_PREFIX + k: v for k, v in (rng or {}).items()}))
+    return out
+
+
 def write(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Tokenizer,
           optim_tensors: dict[str, torch.Tensor] | None = None, rng: dict[str, torch.Tensor] | None = None,
           state: dict | None = None, keep_last: int = 0, keep: Container[int] = ()) -> Path:
@@ -131,9 +145,8 @@ def write(run_dir: Path, step: int, *, weights: dict[str, torch.Tensor], cfg: Mo
     with _writing(ckpt_root, step, tmp):
         _fresh_tmp(ckpt_root, tmp)
         save_safetensors(_host(weights), tmp / MODEL_FILE,  # the user's umask, not safetensors' 0600
-                         metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
-        extra = _host(optim_tensors or {})
-        extra.update(_host({RNG_PREFIX + k: v for k, v in (rng or {}).items()}))
+                         metadata=WEIGHTS_METADATA)
+        extra = _optim_file_tensors(optim_tensors, rng)
         if extra:
             save_safetensors(extra, tmp / OPTIM_FILE)
     return _commit(run_dir, step, tmp, cfg=cfg, tokenizer=tokenizer, state=state, keep_last=keep_last, keep=keep)
@@ -213,12 +226,9 @@ def write_shard(tmp: Path, step: int, rank: int, world_size: int, *, weights: di
     """This rank's two shard files (weights in fp32), fsynced; `rng` only from rank 0. On failure the
     folder is left for rank 0 to remove (the other ranks may still be writing into it)."""
     try:
-        save_safetensors({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()},
-                         tmp / shard_file("model", rank, world_size),
-                         metadata={"format": "pt", "prodip_format": str(FORMAT_VERSION)})
-        extra = _host(optim_tensors)
-        extra.update(_host({RNG_PREFIX + k: v for k, v in (rng or {}).items()}))
-        save_safetensors(extra, tmp / shard_file("optim", rank, world_size))
+        save_safetensors(_fp32_host(weights), tmp / shard_file("model", rank, world_size),
+                         metadata=WEIGHTS_METADATA)
+        save_safetensors(_optim_file_tensors(optim_tensors, rng), tmp / shard_file("optim", rank, world_size))
         for kind in SHARD_KINDS:
             with open(tmp / shard_file(kind, rank, world_size), "rb") as fh:
                 os.fsync(fh.fileno())

@@ -8,10 +8,10 @@ on several (LOCAL_WORLD_SIZE < WORLD_SIZE) an HSDP 2-D mesh that shards within a
 replicates across nodes (the slower network carries only one gradient all-reduce per step).
 Checkpoints hold the model and optimizer state keyed by parameter name: gathered whole to rank 0
 (torch.distributed.checkpoint's state-dict API, `full_model_state`), or under FSDP2 by default each
-rank's own shards (training.distributed_shards, no collective; training.checkpoint reassembles them). Either way a
-run resumes under any world size and the single-process exporter reads it; on resume rank 0 alone
-reads it and broadcasts one tensor at a time (`load_full_state`), so no other rank holds the full
-state in RAM.
+rank's own shards (training.distributed_shards, no collective; training.checkpoint reassembles
+them). Either way a run resumes under any world size and the single-process exporter reads it; on
+resume rank 0 alone reads it and broadcasts one tensor at a time (`load_full_state`), so no other
+rank holds the full state in RAM.
 
 Where to resume from is rank 0's decision (`agree_on_view`): each rank reads the run folder, rank 0
 broadcasts what it found (the checkpoint's step and a fingerprint of its state.json), and a rank
