@@ -12,17 +12,20 @@
 #   --wheelhouse DIR  install the missing pure-Python needs from DIR only (an offline GPU box:
 #                     `pip download -d DIR numpy safetensors ...` on a machine with internet); without
 #                     it, from the package registry
-#   --dry-run         CPU: the tiny preset at seq 64, no compile (this script's own logic, no GPU figure)
+#   --dry-run         CPU: the tiny preset at seq 64, grad-accum 2, no compile (this script's own logic and
+#                     every phase, the SIGTERM-and-resume one included; no GPU figure)
 #   PYTHON            the interpreter (default: python3), the one whose torch is to be checked
 # Everything after `--` goes to scripts/gpu_validate.py as it is (e.g. -- --batch-size 16 --skip-1b).
-# Exit status: gpu_validate.py's (0: trained and measured), 2: a bad flag, no torch, an install failed.
+# Exit status: gpu_validate.py's (0: trained, measured, preempted and resumed; 1: a phase failed), 2: a bad
+# flag, no torch, an install failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 
-# what scripts/gpu_validate.py and train.py import beyond torch: import name=requirement
+# what scripts/gpu_validate.py and train.py import beyond torch: import name=requirement. protobuf: train.py
+# reads tokenizer.model through sentencepiece's sentencepiece_model_pb2, which sentencepiece does not require
 NEEDS="numpy=numpy>=1.26 safetensors=safetensors>=0.4 sentencepiece=sentencepiece>=0.2 tqdm=tqdm>=4.66
-pydantic=pydantic>=2.6 datasketch=datasketch>=1.6 matplotlib=matplotlib>=3.8"
+pydantic=pydantic>=2.6 datasketch=datasketch>=1.6 matplotlib=matplotlib>=3.8 google.protobuf=protobuf>=3.20"
 
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -46,16 +49,30 @@ done
 [ -z "$WHEELHOUSE" ] || [ -d "$WHEELHOUSE" ] || die "--wheelhouse $WHEELHOUSE: not a folder"
 [ ! -e "$OUT" ] || [ -d "$OUT" ] || die "--out $OUT: exists and is not a folder"
 command -v "$PY" >/dev/null || die "$PY not found (set PYTHON=/path/to/python, the one with torch)"
-"$PY" -c "import torch" 2>/dev/null || die "$PY has no torch: install the CUDA build of torch first"
+VERSIONS=$("$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" 2>/dev/null) \
+  || die "$PY has no torch: install the CUDA build of torch first"
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-"$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" >"$LOG"
+echo "$VERSIONS" >"$LOG"
 
-MISSING=()
-for pair in $NEEDS; do
-  "$PY" -c "import ${pair%%=*}" 2>/dev/null || MISSING+=("${pair#*=}")
-done
-"$PY" -c "import tomllib" 2>/dev/null || "$PY" -c "import tomli" 2>/dev/null || MISSING+=("tomli>=2.0")
+# one interpreter tries every import (a start each would cost seconds): the requirements of those that fail
+mapfile -t MISSING < <("$PY" - $NEEDS <<'PY'
+import importlib, sys
+for pair in sys.argv[1:]:
+    name, _, req = pair.partition("=")
+    try:
+        importlib.import_module(name)
+    except Exception:  # missing, or there and broken (a binary built for another Python): reinstall it
+        print(req)
+try:
+    import tomllib  # noqa: F401  (3.11+; tomli before)
+except ImportError:
+    try:
+        import tomli  # noqa: F401
+    except ImportError:
+        print("tomli>=2.0")
+PY
+)
 if [ ${#MISSING[@]} -gt 0 ]; then
   echo "installing ${MISSING[*]}${WHEELHOUSE:+ from $WHEELHOUSE}" | tee -a "$LOG"
   FROM=()
@@ -70,6 +87,7 @@ LEFT=$(( BUDGET - ($(date +%s) - START) ))
 [ "$LEFT" -ge 1 ] || LEFT=1  # gpu_validate.py still writes its results, every phase skipped
 ARGS=(--out "$OUT" --budget-s "$LEFT")
 [ -z "$DATA" ] || ARGS+=(--data "$DATA")
-[ "$DRY" = 0 ] || ARGS+=(--device cpu --preset tiny --seq-len 64 --batch-size 2 --steps 4 --no-compile --skip-1b)
+# an explicit grad-accum: small whatever tiny's recipe says, and > 1 so that accumulation runs too
+[ "$DRY" = 0 ] || ARGS+=(--device cpu --preset tiny --seq-len 64 --batch-size 2 --grad-accum 2 --steps 4 --no-compile --skip-1b)
 echo "$PY scripts/gpu_validate.py ${ARGS[*]} ${PASS[*]:-}" >>"$LOG"
 exec "$PY" scripts/gpu_validate.py "${ARGS[@]}" "${PASS[@]}"

@@ -1,7 +1,7 @@
 """One-command GPU validation (about 5 minutes, at most 8 with compiles, on one H100/H200):
 
-    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 8] [--steps 60]
-                                   [--hourly-usd 3.0] [--data DATA_DIR] [--skip-1b] [--out DIR]
+    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 8] [--grad-accum N]
+                                   [--steps 12] [--hourly-usd 3.0] [--data DATA_DIR] [--skip-1b] [--out DIR]
 
 Phases, each written to DIR/gpu_validate.json and DIR/gpu_validate.md as it starts and ends (a run
 stopped by a time limit keeps every finished phase and names the one it was in). --budget-s (450 s)
@@ -20,18 +20,25 @@ longer fits is recorded as skipped.
    never wraps around; --data uses a folder you prepared instead (e.g. your real 32k-vocab data).
 4. train: `training/train.py` on CUDA with the pre-flight gates ON (gradient flow, compiled vs eager,
    overfit one batch, throughput with its MFU floor and backward/forward ratio, data, tokenizer),
-   then a short run of the preset with bf16 autocast, torch.compile, fused AdamW and SDPA, and one
-   validation at its last step (eager blocks: no second graph).
+   then a short run of the preset's recipe (its grad-accum: 32 micro-batches, 0.5 M tokens per
+   optimizer step for 400m; --grad-accum overrides) with bf16 autocast, torch.compile, fused AdamW and
+   SDPA, every step logged, and one validation at its last step with the recipe's validation batches
+   (eager blocks: no second graph).
    Its stderr (with TORCH_LOGS=graph_breaks,recompiles) goes to DIR/run-*.stderr.log: the graph breaks
    and recompiles dynamo logged are counted (both should be 0).
 5. measure: tokens/s, MFU both ways, peak memory (measured, and training.plan's estimate, the one
    `train.py --plan` prints), every gate's value against its threshold (compiled_vs_eager: the bf16
    relative errors against their tolerances), the backward/forward ratio, and the projected time and
    cost of 2 B tokens.
-6. eager: the same model and micro-batch without torch.compile (a few steps in this process):
-   eager tokens/s, MFU both ways and peak memory against the plan, and the compiled run's speed-up.
+6. eager: the same model, micro-batch and grad-accum without torch.compile (a few optimizer steps in
+   this process): eager tokens/s, MFU both ways and peak memory against the plan, and the compiled
+   run's speed-up.
 7. unless --skip-1b: a memory probe of the 1b preset (eager, 3 optimizer steps at seq 2048: micro-batch
    4 without, and 16 with activation checkpointing), to check it fits an 80 GB GPU.
+8. preempt: train.py again (eager, gates skipped) into a new run folder, SIGTERM after its first step,
+   then the same command resumed a few steps past its checkpoint (scripts/gpu_preempt.py): the exit
+   code, signal-to-exit seconds against torchrun's 30 s grace, the checkpoint's step, stall, write and
+   bytes, and where the resume started. Skipped when the train phase trained no step.
 
 MFU = tokens/s x FLOPs/token / peak dense bf16 FLOP/s of the GPU, in two conventions (training.metrics):
 `mfu` with FLOPs/token = 6 N' + 12 n_layers seq_len d_attn (PaLM, nanoGPT, torchtitan; the target's),
@@ -53,27 +60,40 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from training import layout  # noqa: E402  (a leaf: the standard library only, so importing it is cheap)
 
+sys.path.insert(1, str(ROOT / "scripts"))  # gpu_preempt beside this file, also when loaded by path (the tests)
+
 PROJECT_TOKENS = 2_000_000_000  # the reference run's budget: 2 B tokens in 54.6 h for $164 on one H100
 REFERENCE_TOKENS_PER_S = 10_000
 HOURLY_USD = 3.0  # the reference run's price: $164 / 54.6 h
 GPU_MEMORY_TARGET_GB = 80.0  # the presets must fit an 80 GB H100/A100
 TRAIN_TIMEOUT_S = 420  # the train.py phase; with data prep and the 1b probe the script stays < 8 min
+# Optimizer steps of the timed run: 400m's recipe has 0.5 M tokens per step, so 12 steps are ~42 s at the
+# 150 k tokens/s target (45% MFU "by step 8"); every step is logged, and the second half is the steady state.
+DEFAULT_STEPS = 12
 RESULTS_JSON, RESULTS_MD = "gpu_validate.json", "gpu_validate.md"  # in --out
-EAGER_STEPS, EAGER_WARMUP = 5, 2  # the eager baseline: timed steps after warm-up steps
+# the eager baseline: whole optimizer steps of at least this many micro-batches timed, after at least this
+# many warming up (allocator, cuBLAS heuristics); with 400m's grad-accum 32, one step each (~12 s on an H100)
+EAGER_MICRO_BATCHES, EAGER_WARMUP_MICRO_BATCHES = 5, 2
 PAD_FACTOR = 2  # tile the train split to this many times the tokens the timed run reads
 BOS_ID = 1
 
 BUDGET_S = 450  # the whole script, compiles included: 7.5 min, under the 8 min a validation slot allows
 EAGER_RESERVE_S = 45  # what the budget keeps for the phases after train.py: the eager probe ...
-PROBE_RESERVE_S = 30  # ... and each 1b memory probe (a 1b model built on the GPU, 3 steps)
+PROBE_RESERVE_S = 30  # ... and each 1b memory probe (a 1b model built on the GPU, 3 steps) ...
+# ... and the preempt phase: two train.py starts (400m built, 4.4 GB checkpoint written and read back) and
+# about four eager recipe steps of ~6 s
+PREEMPT_RESERVE_S = 90
 SDPA_REPS = 3  # timed forward+backward passes per forced SDPA backend
-EVAL_BATCHES = 4  # one validation, at the last step (after every timed step): the eval path runs on the GPU too
 
 
 def estimate_memory_gb(cfg, seq_len: int, batch: int, activation_checkpointing: bool) -> dict[str, float]:
@@ -177,11 +197,10 @@ def trainer_step(cfg, preset_name: str, seq_len: int, batch: int, device: str, *
     return step, RepeatBatch(x[:, :-1], x[:, 1:])
 
 
-def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: str,
-                steps: int = EAGER_STEPS, warmup: int = EAGER_WARMUP) -> dict:
-    """Tokens/s and MFU of the timed run's model, eager (no torch.compile), same micro-batch, through the
-    Trainer's own step (bf16 autocast and fused AdamW on CUDA): the baseline the compiled run's speed-up
-    is measured against."""
+def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: str, grad_accum: int = 1) -> dict:
+    """Tokens/s and MFU of the timed run's model, eager (no torch.compile), same micro-batch and grad-accum,
+    through the Trainer's own step (bf16 autocast and fused AdamW on CUDA): the baseline the compiled
+    run's speed-up is measured against."""
     import torch
 
     from training.metrics import mfu_flops, peak_flops
@@ -190,7 +209,8 @@ def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: s
     run_cfg = layout.read_run_config(run) if run.is_dir() else None
     cfg = ModelConfig.from_dict(run_cfg["model"]) if run_cfg else preset(preset_name)
     dev = torch.device(device)
-    step, batches = trainer_step(cfg, preset_name, seq_len, batch, device)
+    step, batches = trainer_step(cfg, preset_name, seq_len, batch, device, grad_accum=grad_accum)
+    steps, warmup = (max(1, -(-n // grad_accum)) for n in (EAGER_MICRO_BATCHES, EAGER_WARMUP_MICRO_BATCHES))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
@@ -202,7 +222,7 @@ def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: s
         step.timed(i + 1, batches)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    tps = steps * batch * seq_len / (time.perf_counter() - t0)
+    tps = steps * step.tokens_per_step / (time.perf_counter() - t0)
     peak, _ = peak_flops(dev)
     mem = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
     del step, batches
@@ -257,8 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=flag(PositiveInt), default=2048)
     ap.add_argument("--batch-size", type=flag(PositiveInt), default=8,
                     help="micro-batch (8 x 2048 fits 80 GB for 400m)")
-    ap.add_argument("--grad-accum", type=flag(PositiveInt), default=1)
-    ap.add_argument("--steps", type=flag(PositiveInt), default=60)
+    ap.add_argument("--grad-accum", type=flag(PositiveInt), default=None,
+                    help="micro-batches per optimizer step (default: the preset's recipe, training/presets/"
+                         "NAME.toml [train]: 32 for 400m, 0.5 M tokens per step)")
+    ap.add_argument("--steps", type=flag(PositiveInt), default=DEFAULT_STEPS,
+                    help="optimizer steps of the timed run, each logged")
     ap.add_argument("--hourly-usd", type=flag(NonNegFloat), default=HOURLY_USD,
                     help="GPU price per hour (default: the reference's)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/prodip-gpu-validate"),
@@ -310,9 +333,12 @@ class Results:
         """True when phase `name` still fits before `deadline`; else it is recorded as skipped."""
         if time.time() + need_s <= deadline:
             return True
-        self.data["phases"].append({"name": name, "status": "skipped: over the --budget-s", "wall_s": 0.0})
-        self.save()
+        self.skip(name, "over the --budget-s")
         return False
+
+    def skip(self, name: str, why: str) -> None:
+        self.data["phases"].append({"name": name, "status": f"skipped: {why}", "wall_s": 0.0})
+        self.save()
 
     def finish(self) -> None:
         self.data["complete"] = True
@@ -484,9 +510,27 @@ def projection_gemms(preset_name: str, seq_len: int, batch: int, device: str, re
     return {"proj_fwd_bwd_ms": out, "proj_fused_default": dev.type in default}
 
 
+def recipe(preset_name: str) -> TrainConfig:
+    """The preset's training recipe as train.py reads it: TrainConfig's defaults under its [train] table."""
+    from training.config import TrainConfig, preset_train
+
+    return TrainConfig(preset=preset_name, **preset_train(preset_name))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with what they leave to the preset's recipe filled in from it: grad-accum (unless
+    --grad-accum) and the validation batches."""
+    a = build_parser().parse_args(argv)
+    r = recipe(a.preset)
+    a.grad_accum_from = "--grad-accum" if a.grad_accum else f"training/presets/{a.preset}.toml [train]"
+    a.grad_accum = a.grad_accum or r.grad_accum
+    a.eval_batches = r.eval_batches
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        a = build_parser().parse_args(argv)
+        a = parse_args(argv)
     except SystemExit as e:  # the parser printed its one error line (2), or --help (0)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
@@ -508,6 +552,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def train_cmd(a: argparse.Namespace, data: Path, run: Path, steps: int, *, compiled: bool, eval_every: int) -> list[str]:
+    """train.py on the timed run's shape and recipe: every step logged, no periodic checkpoint."""
+    return [sys.executable, str(ROOT / "training/train.py"), "--preset", a.preset, "--data", str(data),
+            "--out", str(run), "--max-steps", str(steps), "--batch-size", str(a.batch_size),
+            "--grad-accum", str(a.grad_accum), "--seq-len", str(a.seq_len), "--lr", "1e-3", "--warmup-steps", "5",
+            "--eval-every", str(eval_every), "--eval-batches", str(a.eval_batches), "--save-every", "0",
+            "--log-every", "1", "--device", a.device, "--gpu-hourly-usd", str(a.hourly_usd),
+            # explicit both ways: a preset's recipe may set compile (400m does), which --no-compile must override
+            "--compile" if compiled else "--no-compile",
+            *(["--activation-checkpointing"] if a.activation_checkpointing else [])]
+
+
 def run_phases(a: argparse.Namespace, rep: Results) -> int:
     t_start = time.time()
     deadline = t_start + a.budget_s
@@ -521,16 +577,10 @@ def run_phases(a: argparse.Namespace, rep: Results) -> int:
         need = a.steps * a.batch_size * a.grad_accum * (a.seq_len + 1) * PAD_FACTOR
         data = a.data or prepare_data(a.out, need)
     run = a.out / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
-    cmd = [sys.executable, str(ROOT / "training/train.py"), "--preset", a.preset, "--data", str(data), "--out", str(run),
-           "--max-steps", str(a.steps), "--batch-size", str(a.batch_size), "--grad-accum", str(a.grad_accum),
-           "--seq-len", str(a.seq_len), "--lr", "1e-3", "--warmup-steps", "5", "--eval-every", str(a.steps),
-           "--eval-batches", str(EVAL_BATCHES),
-           "--save-every", "0", "--log-every", "5", "--device", a.device, "--gpu-hourly-usd", str(a.hourly_usd)]
-    cmd += [] if a.no_compile else ["--compile"]
-    cmd += ["--activation-checkpointing"] if a.activation_checkpointing else []
+    cmd = train_cmd(a, data, run, a.steps, compiled=not a.no_compile, eval_every=a.steps)
     print("$ " + " ".join(cmd), flush=True)
     probes = [] if a.skip_1b or a.device != "cuda" else [(4, False), (16, True)]
-    reserve = EAGER_RESERVE_S + PROBE_RESERVE_S * len(probes)
+    reserve = EAGER_RESERVE_S + PROBE_RESERVE_S * len(probes) + PREEMPT_RESERVE_S
     timeout = max(1, min(a.train_timeout_s, round(deadline - time.time() - reserve)))
     with rep.phase("train") as res:
         t0 = time.time()
@@ -545,7 +595,7 @@ def run_phases(a: argparse.Namespace, rep: Results) -> int:
         res.update(measure(a, run))
     if rep.skip_if_late("eager", deadline, EAGER_RESERVE_S / 2):
         with rep.phase("eager") as res:
-            res.update(eager_probe(run, a.preset, a.seq_len, a.batch_size, a.device))
+            res.update(eager_probe(run, a.preset, a.seq_len, a.batch_size, a.device, a.grad_accum))
             if res.get("tokens_per_s") and not a.no_compile:
                 res["compile_speedup"] = round(res["tokens_per_s"] / res["eager_tokens_per_s"], 2)
     for batch, ac in probes:
@@ -553,11 +603,36 @@ def run_phases(a: argparse.Namespace, rep: Results) -> int:
         if rep.skip_if_late(name, deadline, PROBE_RESERVE_S):
             with rep.phase(name):
                 rep.results.setdefault("memory_1b", []).append(memory_probe("1b", a.seq_len, batch, ac))
+    preempted_ok = preempt_phase(a, rep, data, run, deadline)
     rep.results["script_wall_s"] = round(time.time() - t_start, 1)
     rep.finish()
     print(rep.markdown())
     print(f"written: {a.out / RESULTS_JSON} and {a.out / RESULTS_MD}")
-    return rc
+    return rc or (0 if preempted_ok else 1)
+
+
+def preempt_phase(a: argparse.Namespace, rep: Results, data: Path, run: Path, deadline: float) -> bool:
+    """SIGTERM and resume (scripts/gpu_preempt.py) on the timed run's data and recipe, eager; False when
+    it ran and a check failed (skipped: True, nothing to report against)."""
+    if not rep.results.get("steps_logged"):  # train.py refused its input or failed a gate: so would this run
+        rep.skip("preempt", "the train phase trained no step")
+        return True
+    if not rep.skip_if_late("preempt", deadline, PREEMPT_RESERVE_S):
+        return True
+    from gpu_preempt import MAX_STEPS, preempt_and_resume
+
+    def save(figures: dict) -> None:  # the preempted run's figures on disk before the resume starts
+        rep.results.update(figures)
+        rep.save()
+
+    target = run.with_name(f"{run.name}-preempt")
+    with rep.phase("preempt") as res:
+        cmd = train_cmd(a, data, target, MAX_STEPS, compiled=False, eval_every=0)
+        res.update(preempt_and_resume(cmd, ROOT, target, a.out / f"{target.name}.log", deadline, save=save))
+    if not res["preempt_ok"]:
+        rep.data["phases"][-1]["status"] = f"failed: {res['preempt_error']}"
+        rep.save()
+    return res["preempt_ok"]
 
 
 def environment(device: str) -> dict:
@@ -584,8 +659,14 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
     gates = layout.read_json(run / layout.GATES, "gates") if (run / layout.GATES).exists() else {}
     gate = {g["name"]: g for g in gates.get("results", [])}
     timed = [r for r in recs if r.get("tokens_per_s")]
-    steady = timed[len(timed) // 2:]  # the second half: past compilation, allocator warm-up
-    tps = float(np.median([r["tokens_per_s"] for r in steady])) if steady else float("nan")
+    # the steady state: the second half's tokens over its seconds (past compilation, allocator warm-up).
+    # Not the median of the records' tokens_per_s: train.py averages those over the last 20 steps, which
+    # in a run this short reaches back to step 1
+    half = timed[max(len(timed) // 2 - 1, 0):]
+    if len(half) >= 2 and half[-1]["elapsed_s"] > half[0]["elapsed_s"]:
+        tps = (half[-1]["tokens"] - half[0]["tokens"]) / (half[-1]["elapsed_s"] - half[0]["elapsed_s"])
+    else:
+        tps = float(np.median([r["tokens_per_s"] for r in timed])) if timed else float("nan")
 
     run_cfg = layout.read_run_config(run) if run.is_dir() else None
     ran = ModelConfig.from_dict(run_cfg["model"]) if run_cfg else preset(a.preset)
@@ -601,7 +682,9 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
     return {k: None if isinstance(v, float) and v != v else v for k, v in {  # NaN is not JSON
         "preset": a.preset, "vocab_size_ran": ran.vocab_size, "params_ran": count_params(ran),
         "params_preset": count_params(full), "seq_len": a.seq_len, "micro_batch": a.batch_size,
-        "grad_accum": a.grad_accum, "compile": not a.no_compile, "activation_checkpointing": a.activation_checkpointing,
+        "grad_accum": a.grad_accum, "grad_accum_from": a.grad_accum_from,
+        "tokens_per_optimizer_step": a.batch_size * a.grad_accum * a.seq_len, "eval_batches": a.eval_batches,
+        "compile": not a.no_compile, "activation_checkpointing": a.activation_checkpointing,
         "steps_logged": len(recs), "gates_passed": gates.get("passed"), "gates_failed": gates.get("failed"),
         "val_loss": next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), None),
         "tokens_per_s": round(tps) if measured else None,

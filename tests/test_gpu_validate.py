@@ -1,14 +1,22 @@
 """scripts/gpu_validate.py on CPU: its flags, its results written after every phase (so a GPU run
 stopped by a time limit keeps what finished), its SDPA probe, and a dry run end to end; and
-scripts/gpu_check.sh, the one command that wraps it on a fresh GPU machine, dry-run on CPU."""
+scripts/gpu_check.sh, the one command that wraps it on a fresh GPU machine, dry-run on CPU in a
+fresh virtual environment that has torch and lacks some of prodip's needs (installed from a wheelhouse)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import importlib.metadata as md
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
+import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +43,18 @@ def test_bad_flags_are_refused(argv: list[str], flag: str, capsys) -> None:
     assert gv.main(argv) == 2  # one `error:` line naming the flag, as every prodip CLI: no usage block
     err = capsys.readouterr().err
     assert err.startswith("error: ") and flag in err and err.count("\n") == 1, err
+
+
+def test_grad_accum_defaults_to_the_presets_recipe() -> None:
+    """#27 item 8: the timed run is the 400m recipe, 8 x 32 micro-batches of 2048 (0.5 M tokens per optimizer
+    step, training/presets/400m.toml); --grad-accum still overrides it."""
+    a = gv.parse_args([])
+    assert (a.preset, a.batch_size, a.grad_accum, a.seq_len) == ("400m", 8, 32, 2048)
+    assert a.grad_accum_from == "training/presets/400m.toml [train]" and a.eval_batches == 4
+    assert gv.parse_args(["--grad-accum", "4"]).grad_accum == 4
+    # "45% MFU by step 8": every step logged past step 8, and the timed steps at the 150 k tokens/s target
+    # take a fraction of the 450 s budget (gates, compile and the later phases need the rest)
+    assert a.steps > 8 and a.steps * 8 * 32 * 2048 / 150_000 < gv.BUDGET_S / 4
 
 
 def test_out_that_is_a_file_is_refused_before_any_phase(tmp_path: Path, capsys) -> None:
@@ -99,9 +119,12 @@ def test_dry_run_on_cpu_writes_every_phase(tmp_path: Path, capsys) -> None:
     assert data["complete"] is True
     assert [(p["name"], p["status"]) for p in data["phases"]] == [
         ("environment", "ok"), ("sdpa", "ok"), ("data", "ok"), ("train", "exit code 2"), ("measure", "ok"),
-        ("eager", "ok")]
+        ("eager", "ok"), ("preempt", "skipped: the train phase trained no step")]
     r = data["results"]
     assert r["gpu"] == "cpu" and r["peak_flops"] is None and r["train_exit_code"] == 2 and r["sdpa_kernel"]
+    # no --grad-accum: tiny's recipe (training/presets/tiny.toml sets none: TrainConfig's 1)
+    assert r["grad_accum"] == 1 and r["grad_accum_from"] == "training/presets/tiny.toml [train]"
+    assert r["tokens_per_optimizer_step"] == 2 * 1 * 64
     assert r["tokens_per_s"] is None and r["mfu"] is None and r["mfu_6ltd"] is None
     assert r["flops_per_token"] > r["flops_per_token_6ltd"] > 0
     assert r["eager_tokens_per_s"] > 0 and r["eager_mfu"] is None  # measured for real; no MFU on CPU
@@ -131,26 +154,8 @@ def test_a_phase_that_no_longer_fits_the_budget_is_skipped(tmp_path: Path) -> No
              "--no-compile", "--data", str(tmp_path / "no-data"), "--out", str(out), "--budget-s", "1"])
     data = read(out)
     assert data["complete"] is True and data["results"]["train_timeout_s"] == 1
-    assert data["phases"][-1] == {"name": "eager", "status": "skipped: over the --budget-s", "wall_s": 0.0}
-
-
-def test_dry_run_on_cpu_trains_and_reports_the_gates(bn_data: Path, tmp_path: Path) -> None:
-    """A real (tiny, CPU) train.py run with every pre-flight gate: the measure phase reads its log and
-    gates.json, so each gate's value stands next to its threshold (compiled_vs_eager: the errors
-    against the tolerances)."""
-    out = tmp_path / "out"
-    rc = gv.main(["--device", "cpu", "--preset", "tiny", "--seq-len", "64", "--batch-size", "2", "--steps", "10",
-                  "--no-compile", "--data", str(bn_data), "--out", str(out)])
-    data = read(out)
-    assert rc == 0, data
-    r = data["results"]
-    assert r["train_exit_code"] == 0 and r["steps_logged"] == 10 and r["tokens_per_s"] > 0
-    assert r["val_loss"] > 0  # one validation, at the last step
-    gates = {g["name"]: g for g in r["gates"]}
-    assert gates["compiled_vs_eager"]["passed"] is True
-    assert gates["compiled_vs_eager"]["threshold"].startswith("rel. L2 error <=")
-    assert 0 <= gates["compiled_vs_eager"]["value"] < 1
-    assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and Path(r["compile_log"]).is_file()
+    assert data["phases"][-2] == {"name": "eager", "status": "skipped: over the --budget-s", "wall_s": 0.0}
+    assert data["phases"][-1]["name"] == "preempt" and data["phases"][-1]["status"].startswith("skipped: ")
 
 
 def test_graph_breaks_and_recompiles_are_counted_from_dynamos_own_log(tmp_path: Path) -> None:
@@ -167,10 +172,37 @@ def test_graph_breaks_and_recompiles_are_counted_from_dynamos_own_log(tmp_path: 
     assert gv.compile_counts(tmp_path / "none")["graph_breaks"] == 0
 
 
+FAKE_TRAIN = """import json, sys, time
+from pathlib import Path
+run = Path(sys.argv[1])
+run.mkdir(parents=True)
+(run / "log.jsonl").write_text(json.dumps({"step": 1, "loss": 7.0}) + "\\n")
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("script, error", [
+    ("import sys; sys.exit(5)", "train.py exited before the SIGTERM"),  # e.g. a refused flag
+    (FAKE_TRAIN, "exit code -15 (expected 3"),  # killed by the SIGTERM: no checkpoint, nothing to resume
+])
+def test_a_run_that_does_not_stop_on_a_checkpoint_fails_the_preempt_phase(script: str, error: str,
+                                                                          tmp_path: Path) -> None:
+    import gpu_preempt  # beside gpu_validate.py, which put its folder on the path
+
+    saved: list[dict] = []
+    run = tmp_path / "run"
+    res = gpu_preempt.preempt_and_resume([sys.executable, "-c", script, str(run)], tmp_path, run,
+                                         tmp_path / "run.log", time.time() + 30, save=saved.append)
+    assert res["preempt_ok"] is False and error in res["preempt_error"], res
+    assert "resume_exit_code" not in res  # nothing was resumed
+    # a run that got the signal: its figures handed over to be written before anything else happens
+    assert [r["preempt_exit_code"] for r in saved] == ([-15] if "preempt_signal_to_exit_s" in res else [])
+
+
 # ----------------------------------------------------------------------- scripts/gpu_check.sh
-def gpu_check(*argv: str) -> subprocess.CompletedProcess[str]:
+def gpu_check(*argv: str, python: Path | str = sys.executable) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *argv], capture_output=True, text=True,
-                          cwd=REPO, timeout=600, env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "2"})
+                          cwd=REPO, timeout=600, env={**os.environ, "PYTHON": str(python), "OMP_NUM_THREADS": "2"})
 
 
 @pytest.mark.parametrize("argv, needle", [([], "--out DIR is required"), (["--out", "x", "--budget-s", "0"], "--budget-s"),
@@ -182,18 +214,134 @@ def test_gpu_check_refuses_bad_flags_in_one_line(argv: list[str], needle: str, t
     assert p.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
 
 
-def test_gpu_check_dry_run_on_cpu_writes_every_phase(bn_data: Path, tmp_path: Path) -> None:
-    """#27 item 8: the one command a fresh GPU box runs, dry-run on CPU: its needs found installed, then
-    gpu_validate.py's phases within the budget, JSON + Markdown in --out."""
+FRESH_LACKS = ("tqdm", "datasketch")  # pure-Python needs the fresh machine lacks: they come from the wheelhouse
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure(names: list[str]) -> dict[str, md.Distribution]:
+    """The installed distributions `names` need, their own requirements included (markers evaluated)."""
+    from packaging.requirements import Requirement
+
+    out: dict[str, md.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = canonical(todo.pop())
+        if name in out:
+            continue
+        out[name] = dist = md.distribution(name)
+        todo += [r.name for r in map(Requirement, dist.requires or []) if not r.marker or r.marker.evaluate({"extra": ""})]
+    return out
+
+
+def fresh_python(venv: Path) -> Path:
+    """A virtual environment (no system site packages) as a fresh GPU machine has it: torch and what torch
+    needs, pip, and gpu_check.sh's NEEDS but FRESH_LACKS; this venv's installed copies, linked into one
+    folder that a .pth file puts on the path (no copy of torch)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    from packaging.requirements import Requirement
+
+    needs = re.search(r'^NEEDS="([^"]*)"', (REPO / "scripts" / "gpu_check.sh").read_text(), re.M).group(1)
+    dists = [Requirement(pair.split("=", 1)[1]).name for pair in needs.split()]  # import=requirement
+    assert set(FRESH_LACKS) <= set(dists)
+    machine = closure(["torch", "pip", *dists])
+    for lacked in FRESH_LACKS:
+        del machine[canonical(lacked)]
+    site = venv / "machine-site"
+    site.mkdir()
+    for dist in machine.values():
+        assert dist.files is not None, dist.metadata["Name"]
+        for top in {f.parts[0] for f in dist.files if f.parts[0] != ".."}:
+            if not (site / top).exists():
+                (site / top).symlink_to(dist.locate_file(top))
+    [purelib] = venv.glob("lib/python3.*/site-packages")
+    (purelib / "machine.pth").write_text(f"{site}\n")
+    return venv / "bin" / "python"
+
+
+def wheel_of(name: str, wheelhouse: Path) -> Path:
+    """A wheel of an installed pure-Python distribution, rebuilt offline: its files and .dist-info (less the
+    installer's own records), with a RECORD of their hashes as the wheel format requires."""
+    dist = md.distribution(name)
+    files = [f for f in dist.files if f.parts[0] != ".." and "__pycache__" not in f.parts
+             and f.name not in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")]
+    info = next(f.parts[0] for f in files if f.parts[0].endswith(".dist-info"))
+    tag = re.search(r"^Tag: (.+)$", dist.read_text("WHEEL"), re.M).group(1)
+    assert tag.endswith("-none-any"), tag  # pure Python: the wheel is the installed files
+    whl = wheelhouse / f"{canonical(name).replace('-', '_')}-{dist.version}-{tag}.whl"
+    record = []
+    with zipfile.ZipFile(whl, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in files:
+            data = Path(dist.locate_file(f)).read_bytes()
+            z.writestr(f.as_posix(), data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{f.as_posix()},sha256={digest},{len(data)}")
+        z.writestr(f"{info}/RECORD", "\n".join([*record, f"{info}/RECORD,,"]) + "\n")
+    return whl
+
+
+def test_gpu_check_on_a_fresh_machine_installs_from_a_wheelhouse_then_dry_runs(bn_data: Path, tmp_path: Path) -> None:
+    """#27 item 8: the one command a fresh GPU box runs, dry-run on CPU, in a venv that has torch but lacks
+    FRESH_LACKS. A wheelhouse without one of them: exit 2, one error line naming the log. With both: they
+    are installed from it, then every phase of gpu_validate.py runs within the budget (a real tiny train.py
+    run with its gates; SIGTERM and resume), JSON + Markdown in --out."""
+    py = fresh_python(tmp_path / "venv")
+    lacks = subprocess.run([py, "-c", "import torch, numpy, matplotlib\nimport tqdm"], capture_output=True, text=True)
+    assert "No module named 'tqdm'" in lacks.stderr, lacks.stderr  # the machine is as described
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel_of("tqdm", wheels)
+
+    failed = tmp_path / "failed"
+    p = gpu_check("--out", str(failed), "--data", str(bn_data), "--wheelhouse", str(wheels), "--dry-run", python=py)
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert str(failed / "gpu_check.log") in p.stderr and "datasketch" in (failed / "gpu_check.log").read_text()
+    assert not (failed / gv.RESULTS_JSON).exists()
+
+    wheel_of("datasketch", wheels)
     out = tmp_path / "out"
-    p = gpu_check("--out", str(out), "--data", str(bn_data), "--dry-run", "--budget-s", "300")
-    data = read(out)
+    p = gpu_check("--out", str(out), "--data", str(bn_data), "--wheelhouse", str(wheels), "--dry-run",
+                  "--budget-s", "300", python=py)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert data["complete"] is True and data["args"]["data"] == str(bn_data) and data["args"]["budget_s"] <= 300
-    assert [q["name"] for q in data["phases"]] == ["environment", "sdpa", "data", "train", "measure", "eager"]
-    assert all(q["status"] == "ok" for q in data["phases"]), data["phases"]
-    assert data["results"]["steps_logged"] == 4 and data["results"]["tokens_per_s"] > 0
-    assert data["results"]["graph_breaks"] == 0 and data["results"]["recompiles"] == 0
-    assert (out / gv.RESULTS_MD).is_file()
     log = (out / "gpu_check.log").read_text()
-    assert "every pure-Python need is installed" in log and "scripts/gpu_validate.py" in log
+    installing = next(line for line in log.splitlines() if line.startswith("installing "))
+    assert all(name in installing for name in FRESH_LACKS) and installing.endswith(f" from {wheels}"), log
+    where = subprocess.run([py, "-c", "import tqdm, datasketch; print(tqdm.__file__, datasketch.__file__)"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert all(Path(f).is_relative_to(tmp_path / "venv" / "lib") for f in where), where  # installed in the venv
+
+    data = read(out)
+    assert data["complete"] is True and data["args"]["data"] == str(bn_data) and data["args"]["budget_s"] <= 300
+    assert [q["name"] for q in data["phases"]] == ["environment", "sdpa", "data", "train", "measure", "eager",
+                                                   "preempt"]
+    assert all(q["status"] == "ok" for q in data["phases"]), data["phases"]
+    assert (out / gv.RESULTS_MD).is_file() and "scripts/gpu_validate.py" in log
+    r = data["results"]
+    # the dry run's own recipe: grad-accum 2 given, so 2 x 2 x 64 tokens per optimizer step, every step logged
+    assert r["grad_accum"] == 2 and r["grad_accum_from"] == "--grad-accum" and r["tokens_per_optimizer_step"] == 256
+    assert r["train_exit_code"] == 0 and r["steps_logged"] == 4 and r["tokens_per_s"] > 0
+    assert r["val_loss"] > 0  # one validation, at the last step
+    # each gate's value next to its threshold (compiled_vs_eager: the errors against the tolerances)
+    gates = {g["name"]: g for g in r["gates"]}
+    assert gates["compiled_vs_eager"]["passed"] is True
+    assert gates["compiled_vs_eager"]["threshold"].startswith("rel. L2 error <=")
+    assert 0 <= gates["compiled_vs_eager"]["value"] < 1
+    assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and Path(r["compile_log"]).is_file()
+    assert r["eager_tokens_per_s"] > 0
+
+    # SIGTERM after the first step: a checkpoint and exit 3 (docs/reliability.md: "exits 3 ... requeue on
+    # exit status 3"), well within torchrun's 30 s grace for a tiny model; the resume starts at the saved step
+    saved = r["preempt_step"]
+    assert r["preempt_exit_code"] == 3 and saved >= 1 and r["preempt_ok"] is True
+    assert 0 < r["preempt_signal_to_exit_s"] < r["preempt_torchrun_grace_s"] == 30
+    assert r["preempt_within_torchrun_grace"] is True
+    ckpt = Path(r["preempt_run_dir"]) / "checkpoints" / f"step_{saved:07d}"
+    assert r["preempt_checkpoint_bytes"] == sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file()) > 0
+    assert r["preempt_checkpoint_stall_s"] >= 0 and r["preempt_checkpoint_write_s"] > 0
+    assert r["resume_exit_code"] == 0 and r["resumed_at_step"] == saved
+    assert r["resume_steps"] == [saved + 1, saved + 2] and math.isfinite(r["resume_first_loss"])
+    steps = [json.loads(x)["step"] for x in (ckpt.parents[1] / "log.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == list(range(1, saved + 3)) and r["resume_steps_contiguous"] is True

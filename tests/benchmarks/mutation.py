@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -33,8 +34,17 @@ REPO = Path(__file__).resolve().parents[2]
 TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "schema": (("training/schema.py",), ("tests/test_config_schema.py", "tests/test_schema_rules.py")),
     "arbiter": (("training/gates/runtime.py",), ("tests/test_gradient_flow_arbiter.py", "tests/test_gates.py")),
-    "parity": (("export/parity.py",), ("tests/test_parity.py",)),
-    "resume": (("training/checkpoint_format.py",), ("tests/test_crash_safety.py", "tests/test_safe_loading.py")),
+    # parity: the oracle tests and test_parity.py's two tests that need no trained model (the rest train
+    # and export: minutes per mutant)
+    "parity": (("export/parity.py",), ("tests/test_parity_oracles.py", "tests/test_parity.py::test_kl_and_thresholds",
+                                       "tests/test_parity.py::test_prompt_set_covers_the_hard_cases")),
+    # the model pre-flight gates: oracle tests on a tiny model (test_gates.py prepares a corpus and trains)
+    "gates": (("training/gates/model.py",), ("tests/test_gates_oracles.py",)),
+    "gates-data": (("training/gates/data.py",), ("tests/test_data_gates_oracles.py",)),
+    "gates-result": (("training/gates/result.py",), ("tests/test_gate_result_oracles.py",)),
+    # the resume format: oracle tests on hand-built folders (test_crash_safety.py kills training 20 times and
+    # test_safe_loading.py runs the CLI: minutes per mutant, so they are not in the selection)
+    "resume": (("training/checkpoint_format.py",), ("tests/test_checkpoint_format_oracles.py",)),
 }
 # what the copy needs besides the mutated modules: every package, the tests and what they read
 COPY = ("training", "serving", "export", "demo", "tests", "docs", "scripts", "README.md", "pyproject.toml")
@@ -50,6 +60,83 @@ EQUIVALENT: tuple[tuple[str, str, str], ...] = (
     ("_adapter", "_ADAPTERS", "a cache: every type the tests use is cached before mutmut forks the mutant's process"),
     ("_adapter", "TypeAdapter(None)", "a cache: every type the tests use is cached before mutmut forks the mutant's "
                                       "process"),
+    # export/parity.py
+    ("discover", "manifest.files(None)", "export.hf lists hf/model.safetensors under format \"hf\" only, so the key "
+                                         "is found with or without the format filter"),
+    ("greedy_metrics", "strict=None", "zip's strict defaults to False: None or no argument is strict=False"),
+    ("greedy_metrics", "zip(ref.ids, ref.greedy, )", "zip's strict defaults to False"),
+    ("greedy_metrics", "zip(want, got, )", "zip's strict defaults to False"),
+    ("logit_metrics", "astype(None)", "astype(None) is float64, the dtype it replaces"),
+    ("incremental_metrics", "astype(None)", "astype(None) is float64, the dtype it replaces"),
+    ("logit_metrics", "argmax(+1)", "logits are (T, V): axis 1 is axis -1"),
+    ("logit_metrics", "dtype=None", "every Backend returns fp32 logits (serving.backend's contract): the cast to "
+                                    "float32 is a no-op on them"),
+    ("logit_metrics", "np.asarray(b.logits(ids), )", "every Backend returns fp32 logits: the cast is a no-op"),
+    ("long_prompt", "bos=True)) < budget", "one filler short, the word loop then appends the same filler word by word "
+                                           "(words each followed by one space): the same text"),
+    ("long_prompt", "split(None)", "differs only in split(' ')'s trailing empty word, reached only if a whole further "
+                                   "filler fits, which the while loop has already added"),
+    ("parse_thresholds", 'kinds: list[str] | None = ""', "'' and None are both falsy: `kinds or threshold_kinds()` "
+                                                         "builds the list either way"),
+    ("parse_thresholds", 'item.rpartition("=")', "no kind, metric or valid value holds '=': both splits refuse "
+                                                 "the same items"),
+    ("run_parity", 'encoding="UTF-8"', "codec names are case-insensitive"),
+    ("run_parity", "encoding=None", "the locale's encoding, UTF-8 wherever the tests run"),
+    ("run_parity", "report.markdown(), )", "encoding dropped: the locale's, UTF-8 wherever the tests run"),
+    ("run_parity", "+" + " " * 43 + ")", "parity.json's encoding dropped: the locale's, UTF-8 wherever the tests run"),
+    ("run_parity", "ensure_ascii=None", "None is falsy: ensure_ascii=False"),
+    ("threshold_kinds", "SAFETENSORS", "'safetensors' is already a key of DEFAULT_THRESHOLDS in the same set"),
+    ("threshold_kinds", "XXsafetensorsXX", "'safetensors' is already a key of DEFAULT_THRESHOLDS in the same set"),
+    ("threshold_kinds", "TRANSFORMERS", "'transformers' is already a key of DEFAULT_THRESHOLDS in the same set"),
+    ("threshold_kinds", "XXtransformersXX", "'transformers' is already a key of DEFAULT_THRESHOLDS in the same set"),
+    ("tokenizer_metrics", "b.tokenize(text, allow_special=special)", "bos=True is the Backend protocol's default"),
+    # training/gates/model.py
+    ("compiled_vs_eager", 'key=lambda k: errors[k], default=None)', "max's default is used only with no gradient at "
+                                                                     "all, and then loss.backward() has already raised"),
+    ("compiled_vs_eager", "key=lambda k: errors[k], )", "max's default is used only with no gradient at all, and then "
+                                                         "loss.backward() has already raised"),
+    ("compiled_vs_eager", 'default="XXlogitsXX"', "max's default is used only with no gradient at all, and then "
+                                                  "loss.backward() has already raised"),
+    ("compiled_vs_eager", 'default="LOGITS"', "max's default is used only with no gradient at all, and then "
+                                              "loss.backward() has already raised"),
+    ("overfit_one_batch", "range(steps + 2)", "the loop leaves at `len(losses) > steps`, on range(steps + 1)'s last "
+                                              "turn: a longer range is never reached"),
+    ("overfit_one_batch", "([] if done else [1])", "only the list's truth is read: [1] and [0] are both non-empty"),
+    ("overfit_one_batch", "set_to_none=None", "zeroed instead of freed gradients: backward adds to zero, the same "
+                                              "sums; zero_grads frees them after the loop"),
+    ("overfit_one_batch", "set_to_none=False", "zeroed instead of freed gradients: backward adds to zero, the same "
+                                               "sums; zero_grads frees them after the loop"),
+    ("reference_model", "strict=None", "load_state_dict reads strict as a truth value: None is False"),
+    ("throughput", 'GateResult("throughput.mfu", True, threshold=', "value=None is GateResult's default"),
+    # training/checkpoint_format.py
+    ("flatten_optimizer", 'if k != "XXparamsXX"}', "the copied 'params' is replaced on the next line"),
+    ("flatten_optimizer", 'if k != "PARAMS"}', "the copied 'params' is replaced on the next line"),
+    # training/gates/result.py
+    ("load", 'd.get("skipped_by_user", None)', "a missing section fails the isinstance check: [] all the same"),
+    ("load", 'd.get("skipped_by_user", )', "a missing section fails the isinstance check: [] all the same"),
+    ("load", 'd.get("setting", None)', "a missing section fails the isinstance check: {} all the same"),
+    ("load", 'd.get("setting", )', "a missing section fails the isinstance check: {} all the same"),
+    ("load", 'd.get("previous", None)', "a missing section fails the isinstance check: [] all the same"),
+    ("load", 'd.get("previous", )', "a missing section fails the isinstance check: [] all the same"),
+    ("save", "ensure_ascii=None", "None is falsy: ensure_ascii=False"),
+    # training/gates/data.py
+    ("_chunks", "astype(None)", "float starts, made int() on the next line: the same integers"),
+    ("ngram_hashes", "if m < 0:", "m == 0 then hashes no span: an empty uint64 array either way"),
+    ("ngram_hashes", "over=None", "numpy never checks array integer overflow: errstate(over=...) changes nothing"),
+    ("token_range", "if n < 0:", "no chunk is empty (min(chunk, len - s) > 0, or chunk): the test never holds"),
+    ("token_range", "                    break", "no chunk is empty: the continue is never reached"),
+    ("token_range", "if int(r.max()) >= hi:", "a tie among training rows names the same place, 'training batches'"),
+    ("tokenizer_gates", 'rep.get("gate_options", None)', "a missing section fails the isinstance check: {}"),
+    ("tokenizer_gates", 'rep.get("gate_options", )', "a missing section fails the isinstance check: {}"),
+    ("train_val_disjoint", "if (per_row) or True else", "per_row is never empty here (no validation rows "
+                                                        "returned before): the else is unreachable"),
+    ("train_val_disjoint", "if per_row else np.empty(", "per_row is never empty here: the else is unreachable"),
+    ("train_val_disjoint", "np.empty(0, None)", "an empty array matches nothing, whatever its dtype"),
+    ("train_val_disjoint", "if hits else np.empty(0, )", "an empty array matches nothing, whatever its dtype"),
+    ("train_val_disjoint", "min(length, stream.n_tokens + s)", "chunks never run past the stream: the min never "
+                                                               "binds, with + or -"),
+    ("train_val_disjoint", "                break", "a chunk shorter than a span is the last one (or all are): "
+                                                   "break and continue end alike"),
 )
 STATUS = {"killed": "killed", "survived": "survived", "timeout": "timeout", "no tests": "no tests",
           "suspicious": "suspicious", "skipped": "skipped", "segfault": "killed"}
@@ -85,7 +172,11 @@ def copy_repo(dst: Path, modules: tuple[str, ...], tests: tuple[str, ...]) -> No
 def mutmut(work: Path, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("mutmut")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mutmut"]
-    return subprocess.run([*cmd, *args], cwd=work, capture_output=True, text=True, timeout=timeout)
+    # mutmut forks each mutant's process from one that has already run torch: a forked OpenMP thread pool
+    # spins or deadlocks until mutmut's CPU limit kills it, which the report would count as "timeout"
+    # (caught) for mutants no test ever judged. One thread each: no pool to inherit.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run([*cmd, *args], cwd=work, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def results(work: Path) -> dict[str, str]:
@@ -105,7 +196,8 @@ def diff_of(work: Path, name: str) -> str:
 
 
 def equivalent(name: str, diff: str) -> str:
-    func = name.rsplit(".", 1)[-1].removeprefix("x_").split("__mutmut_")[0]
+    # x_func__mutmut_3, or xǁClassǁmethod__mutmut_3 for a method
+    func = name.rsplit(".", 1)[-1].removeprefix("x_").split("__mutmut_")[0].split("ǁ")[-1]
     added = "\n".join(x for x in diff.splitlines() if x.startswith("+"))
     return next((why for f, text, why in EQUIVALENT if f == func and text in added), "")
 
