@@ -143,22 +143,8 @@ def tiny_run(bn_data, tmp_path_factory) -> Path:
     return out
 
 
-_WORKER_FORKS: list[int] = []  # under pytest-xdist: each finished worker's count, summed by the controller
-
-
-def pytest_sessionfinish(session) -> None:
-    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the count to the controller
-        session.config.workeroutput["forked_runs"] = preloaded.forked_runs
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error) -> None:
-    _WORKER_FORKS.append(getattr(node, "workeroutput", {}).get("forked_runs", 0))
-
-
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many CLI runs were forked from the preloaded interpreter (tests/preloaded.py) instead of cold."""
-    n = preloaded.forked_runs + sum(_WORKER_FORKS)
-    if n:
-        terminalreporter.write_line(f"preloaded: {n} CLI runs forked from the preloaded "
+    if preloaded.forked_runs:
+        terminalreporter.write_line(f"preloaded: {preloaded.forked_runs} CLI runs forked from the preloaded "
                                     "interpreter (PRODIP_TEST_COLD=1 runs them cold)")
