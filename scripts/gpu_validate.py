@@ -12,7 +12,7 @@ longer fits is recorded as skipped.
 2. sdpa: which scaled-dot-product-attention kernel (cuDNN / flash / memory-efficient / math) one
    training step of the preset's block runs, read from the profiler's op names; then each backend
    forced in turn (torch.nn.attention.sdpa_kernel) and timed, forward + backward, at the training shape,
-   with K/V shared by enable_gqa (flash and math only) and pre-expanded (every backend eligible).
+   with K/V shared by enable_gqa (cuDNN in torch 2.11, flash, math) and pre-expanded (every backend eligible).
    Also one block forward + backward with its projections fused (q/k/v and gate/up as one GEMM each)
    and unfused: the numbers behind training.model.FUSE_DEVICES.
 3. data: prepares a folder from the shipped corpus (tokenizer + shards). The corpus is small, so the
@@ -404,8 +404,8 @@ SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 def sdpa_backends(preset_name: str, seq_len: int, batch: int, device: str, reps: int = SDPA_REPS) -> dict:
     """Each SDPA backend forced in turn (torch.nn.attention.sdpa_kernel) on the training call (causal,
     bf16 q/k/v of the preset's heads), forward + backward milliseconds or why it cannot run, in the two
-    forms GQA can take: K/V shared by `enable_gqa=True` (what the model runs in bf16; only flash and math
-    accept it) and K/V pre-expanded to every query head by repeat_interleave (what the model runs in fp32
+    forms GQA can take: K/V shared by `enable_gqa=True` (what the model runs in bf16; cuDNN (torch 2.11),
+    flash and math accept it) and K/V pre-expanded to every query head by repeat_interleave (what the model runs in fp32
     on CUDA; every backend eligible), the expansion and its backward inside the timing.
 
     {"sdpa_fwd_bwd_ms": {backend: ms | "unavailable: ..."} (enable_gqa), "sdpa_expanded_fwd_bwd_ms": the

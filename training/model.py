@@ -267,8 +267,8 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv_heads
         if attn_mask is None and past_kv is None:
             if rep > 1 and q.is_cuda and q.dtype == torch.float32:
-                # on CUDA only the flash kernel (bf16/fp16) takes enable_gqa: fp32 would fall back to the
-                # math kernel, which holds (T x T) scores per head; expanded K/V keep the fused kernels eligible
+                # on CUDA only cuDNN and flash (bf16/fp16) take enable_gqa: fp32 would fall back to the math
+                # kernel, which holds (T x T) scores per head; expanded K/V keep memory-efficient eligible
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
                 rep = 1
             # training path: SDPA shares each K/V head across `rep` query heads itself (no copies)
