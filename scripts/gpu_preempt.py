@@ -16,7 +16,6 @@ docs/reliability.md), the preemption checkpoint's step, stall / write / wait sec
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -44,16 +43,12 @@ def skip_gates() -> list[str]:
 
 
 def read_log(run: Path) -> list[dict]:
+    """The run's log.jsonl records as dicts, through training.records.read_log (the one reader: a last
+    line still being written is left out, a damaged one is an error); [] before the file exists."""
+    from training.records import read_log as records
+
     path = run / layout.LOG
-    if not path.is_file():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written while we read
-            break
-    return recs
+    return [r.value for r in records(path)] if path.is_file() else []
 
 
 def _steps(recs: list[dict]) -> list[dict]:

@@ -649,13 +649,12 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
     """The figures of the timed run (its log, gates and config) and the projections from them."""
     import numpy as np
     import torch
+    from gpu_preempt import read_log
 
     from training.metrics import mfu_flops, peak_flops
     from training.model import ModelConfig, count_params, preset
 
-    log = run / layout.LOG
-    recs = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    recs = [r for r in recs if "loss" in r]
+    recs = [r for r in read_log(run) if "loss" in r]
     gates = layout.read_json(run / layout.GATES, "gates") if (run / layout.GATES).exists() else {}
     gate = {g["name"]: g for g in gates.get("results", [])}
     timed = [r for r in recs if r.get("tokens_per_s")]
