@@ -147,6 +147,10 @@ def _gloo_unsupported(stderr: str) -> str | None:
 
 
 def test_fsdp2_matches_single_process_and_resumes(bn_data: Path, single: Path, tmp_path: Path) -> None:
+    """FSDP2 stopped at step 4 and resumed follows the single process. The resume runs through
+    fixtures_distributed.py's `rank0_reads`: a resume must not need the full state in every rank's
+    memory, so rank 0 reads the checkpoint and broadcasts it one tensor at a time, and any other rank
+    reading a whole tensor file fails the run (one launch pair for both properties)."""
     out = tmp_path / "fsdp"
     # 2 x grad-accum 2 x 2 ranks: gradient sync only on the last micro-batch (set_requires_gradient_sync)
     args = [*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "2", "--grad-accum", "2", "--fsdp",
@@ -160,8 +164,8 @@ def test_fsdp2_matches_single_process_and_resumes(bn_data: Path, single: Path, t
     model, ck = ckpt.load_model(out)
     assert ck.state["step"] == 4 and ck.config.n_layers == 2
     assert set(ck.weights) == set(ckpt.load(single).weights)
-    p = train_dist(*args)
-    assert "resumed from" in p.stdout
+    p = torchrun(REPO / "tests" / "fixtures_distributed.py", "rank0_reads", *args)
+    assert "resumed from" in p.stdout and "read a whole tensor file" not in p.stderr
     assert_rank0_wrote_once(p, out)
     assert_same_curve(steps(single), steps(out), tol=FSDP_TOL)
     w, ws = ckpt.load(out).weights, ckpt.load(single).weights
@@ -342,19 +346,3 @@ def test_fsdp2_in_bf16_gathers_bf16_and_passes_the_gates(bn_data: Path, tmp_path
     assert 0 < cmp["value"] <= TOLERANCE["bf16"][1]  # bf16 parameters do differ from the fp32 reference
     assert gates["overfit_one_batch"]["passed"], gates["overfit_one_batch"]
     assert all(math.isfinite(r["loss"]) for r in steps(out) if "loss" in r)
-
-
-def test_resume_reads_the_checkpoint_on_rank_0_only(bn_data: Path, tmp_path: Path) -> None:
-    """Under FSDP2 a resume must not need the full state in every rank's memory: rank 0 reads the
-    checkpoint and broadcasts it one tensor at a time; any other rank reading a whole tensor file
-    fails the run (the fixture makes it raise)."""
-    out = tmp_path / "run"
-    args = [*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4", "--fsdp", "--max-steps", "4"]
-    p = train_dist(*args, "--stop-at", "2", check=False)
-    if p.returncode != 0 and (why := _gloo_unsupported(p.stderr)):
-        pytest.skip(f"FSDP2 on CPU: this torch's gloo backend lacks a collective: {why}")
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = torchrun(REPO / "tests" / "fixtures_distributed.py", "rank0_reads", *args)
-    assert "resumed from" in p.stdout and "read a whole tensor file" not in p.stderr
-    assert [r["step"] for r in steps(out) if "loss" in r] == [1, 2, 3, 4]
-    assert ckpt.load(out).state["step"] == 4
