@@ -5,8 +5,8 @@
 
 Phases, each written to DIR/gpu_validate.json and DIR/gpu_validate.md as it starts and ends (a run
 stopped by a time limit keeps every finished phase and names the one it was in). --budget-s (450 s)
-bounds the whole script: train.py gets what the later phases do not need, and a later phase that no
-longer fits is recorded as skipped.
+bounds the whole script: train.py gets what the later phases do not need (but at least
+TRAIN_FLOOR_S, 150 s, or all that is left), and a later phase that no longer fits is recorded as skipped.
 
 1. environment: GPU name, its dense bf16 peak (training.metrics.PEAK_BF16_FLOPS), torch, CUDA.
 2. sdpa: which scaled-dot-product-attention kernel (cuDNN / flash / memory-efficient / math) one
@@ -77,6 +77,10 @@ REFERENCE_TOKENS_PER_S = 10_000
 HOURLY_USD = 3.0  # the reference run's price: $164 / 54.6 h
 GPU_MEMORY_TARGET_GB = 80.0  # the presets must fit an 80 GB H100/A100
 TRAIN_TIMEOUT_S = 420  # the train.py phase; with data prep and the 1b probe the script stays < 8 min
+# The least the train phase gets when the budget is short: on an H200 the 400m phase (start, 11 gates,
+# compile, 12 steps, validation, a 4.7 GB checkpoint) took 90 s, and a --budget-s 170 run that reserved
+# 135 s for the later phases left it 24 s: no step, no figure (2026-12-04, docs/scale.md#results)
+TRAIN_FLOOR_S = 150
 # Optimizer steps of the timed run: 400m's recipe has 0.5 M tokens per step, so 12 steps are ~42 s at the
 # 150 k tokens/s target (45% MFU "by step 8"); every step is logged, and the second half is the steady state.
 DEFAULT_STEPS = 12
@@ -564,6 +568,13 @@ def train_cmd(a: argparse.Namespace, data: Path, run: Path, steps: int, *, compi
             *(["--activation-checkpointing"] if a.activation_checkpointing else [])]
 
 
+def train_timeout(left_s: float, reserve_s: float, cap_s: int) -> int:
+    """The train phase's seconds: what the later phases' reserve leaves, but never less than
+    TRAIN_FLOOR_S (or all that is left): the headline figure is not starved to keep time for optional
+    phases, which are then skipped if the time is gone (Results.skip_if_late). At most `cap_s`, at least 1."""
+    return max(1, min(cap_s, round(max(left_s - reserve_s, min(TRAIN_FLOOR_S, left_s)))))
+
+
 def run_phases(a: argparse.Namespace, rep: Results) -> int:
     t_start = time.time()
     deadline = t_start + a.budget_s
@@ -581,7 +592,7 @@ def run_phases(a: argparse.Namespace, rep: Results) -> int:
     print("$ " + " ".join(cmd), flush=True)
     probes = [] if a.skip_1b or a.device != "cuda" else [(4, False), (16, True)]
     reserve = EAGER_RESERVE_S + PROBE_RESERVE_S * len(probes) + PREEMPT_RESERVE_S
-    timeout = max(1, min(a.train_timeout_s, round(deadline - time.time() - reserve)))
+    timeout = train_timeout(deadline - time.time(), reserve, a.train_timeout_s)
     with rep.phase("train") as res:
         t0 = time.time()
         res["train_timeout_s"] = timeout

@@ -158,6 +158,21 @@ def test_a_phase_that_no_longer_fits_the_budget_is_skipped(tmp_path: Path) -> No
     assert data["phases"][-1]["name"] == "preempt" and data["phases"][-1]["status"].startswith("skipped: ")
 
 
+@pytest.mark.parametrize("left, reserve, cap, want", [
+    (600, 195, 420, 405),  # room for both: the rest after the reserve
+    (2000, 195, 420, 420),  # never past --train-timeout-s
+    (163, 135, 420, 150),  # the H200 run that left train.py 24 s: now the floor, the later phases skipped if late
+    (100, 135, 420, 100),  # less than the floor left: all of it
+    (0.4, 135, 420, 1),  # nothing left: 1 s, so train.py is still started and stopped (what it logged is kept)
+    (163, 135, 60, 60),  # a --train-timeout-s below the floor wins
+])
+def test_the_train_phase_is_not_starved_by_the_reserve_of_later_phases(left, reserve, cap, want) -> None:
+    """Expectations from the rule: train gets left - reserve, but at least min(150 s floor, left), at
+    most the cap, at least 1 (the 400m phase took 90 s on an H200)."""
+    assert gv.TRAIN_FLOOR_S == 150
+    assert gv.train_timeout(left, reserve, cap) == want
+
+
 def test_graph_breaks_and_recompiles_are_counted_from_dynamos_own_log(tmp_path: Path) -> None:
     """Control for compile_counts: the lines TORCH_LOGS=graph_breaks,recompiles writes (torch 2.13's format)."""
     log = tmp_path / "run.stderr.log"
