@@ -212,17 +212,36 @@ def _torchrun(argv: list[str]) -> subprocess.CompletedProcess:
     return preloaded.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+@pytest.fixture(scope="module")
+def torchrun_reference(bn_data, tmp_path_factory):
+    """The uninterrupted torchrun run both torchrun tests compare with: started by the first test that
+    asks, alongside its signalled run (it needs no signal); calling the fixture's value waits for it."""
+    out = tmp_path_factory.mktemp("preempt-torchrun-ref") / "run"
+    log = out.parent / "ref.log"
+    with open(log, "w") as f:
+        p = preloaded.popen(_torchrun_argv(bn_data, out), cwd=REPO, env=child_env(), stdout=f,
+                            stderr=subprocess.STDOUT)
+
+    def finished() -> Path:
+        assert p.wait(timeout=TIMEOUT_S) == 0, log.read_text()[-3000:]
+        return out
+
+    yield finished
+    if p.poll() is None:
+        stop(p, timeout=60)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
 @pytest.mark.parametrize("to", ["rank1", "agent"])
-def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tmp_path, start, to):
+def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tmp_path, start, to,
+                                                                     torchrun_reference):
     """`rank1`: SIGUSR1 to rank 1 alone (SLURM's --signal reaches the workers): rank 0 learns it through the
     step's all-reduce. `agent`: SIGTERM to torchrun itself, as a cloud provider or Kubernetes sends it: the
     agent forwards it to every worker and SIGKILLs them --shutdown-timeout later. Either way both ranks
     stop after the same step, rank 0 writes its checkpoint, and the resumed run equals an uninterrupted one."""
     sig = "SIGUSR1" if to == "rank1" else "SIGTERM"
-    ref, run = tmp_path / "ref", tmp_path / "run"
+    run = tmp_path / "run"
     argv = _torchrun_argv(bn_data, run)
-    reference = start(_torchrun_argv(bn_data, ref), tmp_path / "ref.log")  # alongside: it needs no signal
     log = tmp_path / "first.log"
     p = start(argv, log)
     _wait_for(lambda: len(_step_records(run)) >= SIGNAL_AFTER, p, f"{SIGNAL_AFTER} steps")
@@ -233,7 +252,7 @@ def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tm
     else:
         p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=TIMEOUT_S) != 0  # torchrun reports a worker that exited non-zero as a failure (1)
-    assert reference.wait(timeout=TIMEOUT_S) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ref = torchrun_reference()
     out = log.read_text()
     n = ckpt.step_of(ckpt.latest(run))
     assert SIGNAL_AFTER <= n < STEPS, out
