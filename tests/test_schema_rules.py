@@ -7,10 +7,14 @@ URL scheme list, where a nested error sits, the wording a suggestion and a file 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from training import schema
 from training.schema import (
     LocalPath,
     PositiveInt,
@@ -118,6 +122,16 @@ def test_unknown_keys_are_refused_with_the_source_when_given() -> None:
     assert str(e.value) == "unknown field 'tempreature' (did you mean 'temperature'?); known: temperature, top_p"
 
 
+def test_a_type_checked_for_the_first_time_is_checked_and_its_checker_built_once(monkeypatch) -> None:
+    """The checker cache starts empty in a new process: the first check of a type must build the
+    checker for that very type and keep it (schema._adapter is a cache, one TypeAdapter per type)."""
+    monkeypatch.setattr(schema, "_ADAPTERS", {})
+    assert check(PositiveInt, 3, "--x") == 3
+    with pytest.raises(SchemaError, match=r"^--x = 0: Input should be greater than 0$"):
+        check(PositiveInt, 0, "--x")
+    assert schema._adapter(PositiveInt) is schema._adapter(PositiveInt)
+
+
 # --------------------------------------------------------------------------------------- files
 def test_a_toml_file_is_read_or_refused_naming_it(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
@@ -135,6 +149,24 @@ def test_a_toml_file_is_read_or_refused_naming_it(tmp_path: Path) -> None:
     bad.write_text("[train\n", encoding="utf-8")
     with pytest.raises(SchemaError, match=r"bad\.toml: invalid TOML \("):
         read_toml(bad)
+
+
+def test_a_toml_file_is_read_as_utf8_under_an_ascii_locale(tmp_path: Path) -> None:
+    """A config file is UTF-8 text (TOML's own rule) on a machine whose locale is not: Bangla in it
+    must read, not fail as "not a text file". A child Python under the C locale with UTF-8 mode and
+    locale coercion off (its preferred encoding is then ASCII, checked), importing `training` from
+    where this process did (so a mutation run's mutant is the one judged)."""
+    good = tmp_path / "bn.toml"
+    good.write_text('[train]\nnote = "বাংলা"\n', encoding="utf-8")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONPATH": str(Path(schema.__file__).resolve().parents[1])}
+    code = ("import locale, sys; from training.schema import read_toml; "
+            "print(locale.getpreferredencoding(False)); print(ascii(read_toml(sys.argv[1])))")
+    r = subprocess.run([sys.executable, "-c", code, str(good)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    encoding, got = r.stdout.splitlines()
+    assert encoding.lower().replace("-", "") not in ("utf8", "utf8mode"), encoding  # a real non-UTF-8 locale
+    assert got == ascii({"train": {"note": "বাংলা"}})
 
 
 def test_toml_tables_are_the_known_ones_and_nothing_else() -> None:
