@@ -12,18 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_gradient_flow_arbiter import param  # a parameter holding the given gradient
 
 from training.gates.runtime import RuntimeMonitor, clip_grad_norm_finite, first_nonfinite_index, full_grad
 
 NAN, INF = float("nan"), float("inf")
-
-
-def param(grad: list | None, trainable: bool = True) -> torch.nn.Parameter:
-    value = torch.tensor(grad if grad is not None else [1.0])
-    p = torch.nn.Parameter(torch.ones_like(value), requires_grad=trainable)
-    if grad is not None and trainable:
-        p.grad = value.clone()
-    return p
 
 
 class Shard:
