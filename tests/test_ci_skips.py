@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ALLOWED_SKIPS_FILE, OPT_IN, REPO, allowed_skips, skip_allowed_in_ci
@@ -31,6 +33,69 @@ def test_every_allowed_pattern_names_a_real_test_and_says_why():
         func = name.split("[", 1)[0]
         tests = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
         assert any(t == func or (func.endswith("*") and t.startswith(func[:-1])) for t in tests), pattern
+
+
+SHARED_READERS = {"shared_path", "SHARED_DATA"}  # conftest's two ways to reach ../shared/data
+TWIN = re.compile(r"The same on training/assets:\s+(test_\w+)")
+
+
+def _shared_readers() -> tuple[set[str], dict[Path, list[ast.FunctionDef]]]:
+    """Names of every function or fixture (tests/, conftest and fixture modules) that reaches ../shared/data:
+    it names shared_path / SHARED_DATA, calls such a function or takes such a fixture, to a fixed point;
+    and each test module's top-level functions."""
+    files = [*sorted((REPO / "tests").glob("test_*.py")), *sorted((REPO / "tests").glob("fixtures_*.py")),
+             REPO / "tests" / "conftest.py"]
+    defs = {p: [n for n in ast.parse(p.read_text(encoding="utf-8")).body if isinstance(n, ast.FunctionDef)]
+            for p in files}
+    used = {n: {x.id for x in ast.walk(n) if isinstance(x, ast.Name)} | {a.arg for a in n.args.args}
+            for fs in defs.values() for n in fs}
+    readers, grew = set(SHARED_READERS), True
+    while grew:
+        grew = False
+        for n, names in used.items():
+            if n.name not in readers and names & readers:
+                readers.add(n.name)
+                grew = True
+    return readers, {p: fs for p, fs in defs.items() if p.name.startswith("test_")}
+
+
+def _params(func: ast.FunctionDef) -> list[str]:
+    """The string values of the function's one-argument @pytest.mark.parametrize, if any."""
+    for d in func.decorator_list:
+        if (isinstance(d, ast.Call) and ast.unparse(d.func).endswith("parametrize") and len(d.args) == 2
+                and isinstance(d.args[1], ast.List)):
+            return [e.value for e in d.args[1].elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def test_every_test_that_reads_shared_data_is_opt_in_breadth_with_a_twin_on_the_shipped_assets():
+    """A fresh clone has no ../shared: a test reaching it is opt-in breadth (allow-listed, so it may skip
+    there), and the same behaviour is tested on training/assets on every clone. Its twin is either its
+    own "shipped" parameter (which must not be allow-listed: it runs everywhere) or a test its docstring
+    names ("The same on training/assets: test_…") that does not reach ../shared itself."""
+    allowed = allowed_skips()
+    readers, modules = _shared_readers()
+    found = []
+    for path, funcs in modules.items():
+        rel, names = path.relative_to(REPO).as_posix(), {f.name for f in funcs}
+        for f in funcs:
+            if not f.name.startswith("test_") or f.name not in readers:
+                continue
+            found.append(f.name)
+            params = _params(f)
+            if params:
+                assert "shipped" in params, f"{rel}::{f.name}: no shipped twin among its parameters {params}"
+                assert not skip_allowed_in_ci(f"{rel}::{f.name}[shipped]", OPT_IN, allowed), f.name
+                for p in params:
+                    if p != "shipped":
+                        assert skip_allowed_in_ci(f"{rel}::{f.name}[{p}]", OPT_IN, allowed), f"{f.name}[{p}] not listed"
+                continue
+            assert skip_allowed_in_ci(f"{rel}::{f.name}", OPT_IN, allowed), f"{rel}::{f.name} is not on the allow-list"
+            twin = TWIN.search(ast.get_docstring(f) or "")
+            assert twin, f"{rel}::{f.name}: its docstring names no twin on training/assets"
+            assert twin[1] in names and twin[1] not in readers, f"{rel}::{f.name}: twin {twin[1]} missing or reads ../shared"
+    # the ten breadth tests of 2026-12-04: fewer means the scan broke, not that they went away
+    assert len(found) >= 10, found
 
 
 def test_a_reason_is_required(tmp_path):

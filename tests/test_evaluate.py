@@ -234,8 +234,8 @@ def test_shipped_mc_sets_parse_with_exact_chance():
 
 
 def test_shared_eval_files_parse_with_expected_chance():
-    """Opt-in breadth (the shipped twin is the test above): the real benchmark files in ../shared/data/eval
-    (skipped when absent, required under CI)."""
+    """Opt-in breadth: the real benchmark files in ../shared/data/eval (skipped when absent, required
+    under CI). The same on training/assets: test_shipped_mc_sets_parse_with_exact_chance."""
     eval_dir = shared_path("eval")
     expect = {"arc_easy": 0.25, "copa": 0.5, "piqa": 0.5, "winogrande": 0.5, "hellaswag_val_1000": 0.25,
               "siqa": None, "commonsense_qa": None}

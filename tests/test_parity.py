@@ -187,7 +187,8 @@ def test_backend_tokenizers_match_training_on_all_shipped_text(trained_run, expo
 
 def test_backend_tokenizers_match_training_on_tatoeba(trained_run, exported):  # noqa: F811
     """Opt-in breadth: the 5,120 Tatoeba lines of ../shared/data (an "opt-in:" skip when absent, a failure
-    with PRODIP_SHARED_DATA=1 as .ci/run sets). The same on training/assets: the test above."""
+    with PRODIP_SHARED_DATA=1 as .ci/run sets). The same on training/assets:
+    test_backend_tokenizers_match_training_on_all_shipped_text."""
     texts = tatoeba_lines()
     for name, m in _tokenizer_agreement(trained_run, exported, texts).items():
         assert m["tokenizer_equal"] == m["tokenizer_total"] == len(texts) + 1, (name, m["tokenizer_mismatches"])
