@@ -165,7 +165,7 @@ def test_a_toml_file_is_read_as_utf8_under_an_ascii_locale(tmp_path: Path) -> No
     r = subprocess.run([sys.executable, "-c", code, str(good)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     encoding, got = r.stdout.splitlines()
-    assert encoding.lower().replace("-", "") not in ("utf8", "utf8mode"), encoding  # a real non-UTF-8 locale
+    assert encoding.lower().replace("-", "") != "utf8", encoding  # a real non-UTF-8 locale (ANSI_X3.4-1968 here)
     assert got == ascii({"train": {"note": "বাংলা"}})
 
 
