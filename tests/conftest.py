@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import pickle
+import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import preloaded
 import pytest
+from filelock import FileLock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -110,15 +115,70 @@ def shared_data() -> Path:
     return shared_path()
 
 
+# --------------------------------------------------------------------------- built once per test run
+T = TypeVar("T")
+XDIST_WORKER = "PYTEST_XDIST_WORKER"  # set by pytest-xdist in each worker process (scripts/test.sh runs two)
+_BUILT: dict[Path, dict[str, tuple[int, int]]] = {}  # a shared fixture's folder -> its files as built
+
+
+def files_of(root: Path) -> dict[str, tuple[int, int]]:
+    """{relative path: (size, mtime in ns)} of every file under `root`."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            st = os.stat(os.path.join(d, n))
+            out[os.path.relpath(os.path.join(d, n), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:
+    """A session fixture's files, built once per test run: `build(folder)` gets an empty folder and returns
+    the fixture's (picklable) value. Under pytest-xdist the workers share one build: the first to ask builds
+    it under a file lock beside their temporary folders, the others wait and read its value. The folder is
+    read-only by contract (copy it to change it): `shared_fixtures_untouched` fails the run if a test wrote
+    into it."""
+    if not os.environ.get(XDIST_WORKER):
+        root = tmp_path_factory.mktemp(name)
+        value = build(root)
+        _BUILT[root] = files_of(root)
+        return value
+    base = tmp_path_factory.getbasetemp().parent  # the run's temporary folder, above each worker's own
+    root, done = base / f"shared-{name}", base / f"shared-{name}.pickle"
+    with FileLock(str(base / f"shared-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)  # a build that failed in another worker
+            root.mkdir()
+            value = build(root)
+            done.write_bytes(pickle.dumps((value, files_of(root))))
+    value, _BUILT[root] = pickle.loads(done.read_bytes())
+    return value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_fixtures_untouched():
+    """After the last test: every folder `built_once` made is as it was built. A test that wrote into one
+    would race the other worker's tests reading it (and change what later tests see): copy it first."""
+    yield
+    changed = []
+    for root, before in _BUILT.items():
+        now = files_of(root)
+        diff = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        if diff:
+            changed.append(f"{root}: {', '.join(diff[:8])}{' ...' if len(diff) > 8 else ''}")
+    assert not changed, "tests wrote into shared fixture folders (copy them first): " + "; ".join(changed)
+
+
 # --------------------------------------------------------------------------- shared tiny artifacts
 @pytest.fixture(scope="session")
 def bn_data(tmp_path_factory) -> Path:
     """A prepared data folder (vocab 2048) over the corpus that ships in training/assets."""
     from training.prepare import prepare
 
-    out = tmp_path_factory.mktemp("bn") / "data"
-    prepare([CORPUS], out, vocab_size=2048, progress=False, workers=1, fertility_floor=1.5)
-    return out
+    def build(root: Path) -> Path:
+        prepare([CORPUS], root / "data", vocab_size=2048, progress=False, workers=1, fertility_floor=1.5)
+        return root / "data"
+
+    return built_once(tmp_path_factory, "bn", build)
 
 
 def run_train(*args: str, check: bool = True):
@@ -136,15 +196,31 @@ def run_train(*args: str, check: bool = True):
 def tiny_run(bn_data, tmp_path_factory) -> Path:
     """A `tiny` run trained 300 steps on the shipped corpus: the one shared trained model of the suite,
     enough that top-1 agreement means something."""
-    out = tmp_path_factory.mktemp("run") / "tiny"
-    run_train("--preset", "tiny", "--data", str(bn_data), "--out", str(out), "--max-steps", "300",
-              "--batch-size", "8", "--seq-len", "128", "--lr", "3e-3", "--warmup-steps", "20",
-              "--eval-every", "100", "--save-every", "300", "--log-every", "100")
-    return out
+    def build(root: Path) -> Path:
+        run_train("--preset", "tiny", "--data", str(bn_data), "--out", str(root / "tiny"), "--max-steps", "300",
+                  "--batch-size", "8", "--seq-len", "128", "--lr", "3e-3", "--warmup-steps", "20",
+                  "--eval-every", "100", "--save-every", "300", "--log-every", "100")
+        return root / "tiny"
+
+    return built_once(tmp_path_factory, "run", build)
+
+
+_WORKER_FORKS: list[int] = []  # under pytest-xdist: each finished worker's count, summed by the controller
+
+
+def pytest_sessionfinish(session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the count to the controller
+        session.config.workeroutput["forked_runs"] = preloaded.forked_runs
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _WORKER_FORKS.append(getattr(node, "workeroutput", {}).get("forked_runs", 0))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many CLI runs were forked from the preloaded interpreter (tests/preloaded.py) instead of cold."""
-    if preloaded.forked_runs:
-        terminalreporter.write_line(f"preloaded: {preloaded.forked_runs} CLI runs forked from the preloaded "
+    n = preloaded.forked_runs + sum(_WORKER_FORKS)
+    if n:
+        terminalreporter.write_line(f"preloaded: {n} CLI runs forked from the preloaded "
                                     "interpreter (PRODIP_TEST_COLD=1 runs them cold)")

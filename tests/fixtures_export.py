@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ASSETS, TATOEBA, shared_path
+from conftest import ASSETS, TATOEBA, built_once, shared_path
 
 from training.text import normalize
 
@@ -45,7 +45,7 @@ def trained_run(tiny_run) -> Path:
 def exported(trained_run, tmp_path_factory) -> Path:
     """The trained run exported to HF + GGUF F32/F16/Q8_0/Q4_K_M (no parity yet); the out dir. Made once:
     conftest registers this module as a plugin (pytest_plugins), no test module defines its own copy."""
-    return export_all(trained_run, tmp_path_factory.mktemp("export"))
+    return built_once(tmp_path_factory, "export", lambda root: export_all(trained_run, root))
 
 
 def export_all(run: Path, out: Path) -> Path:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS, OPT_IN, REPO
+from conftest import CORPUS, OPT_IN, REPO, built_once
 
 SDIST_ENV = "PRODIP_LLAMA_SDIST"  # the same knob scripts/build_llama_tools.sh reads
 SDIST_DIR = Path(os.environ.get("PRODIP_LLAMA_TOOLS_CACHE", Path.home() / ".cache" / "prodip" / "llama-tools")) / "src"
@@ -179,13 +179,16 @@ def foreign_ggufs(tmp_path_factory) -> Foreign:
     if sdist is None:
         pytest.skip(f"{OPT_IN} the llama-cpp-python sdist (llama.cpp's convert_hf_to_gguf.py) is not in {SDIST_DIR}; "
                     f"run `bash scripts/setup.sh --dev --llama-tools` or set {SDIST_ENV}")
-    root = tmp_path_factory.mktemp("foreign-gguf")
-    script = extract_converter(sdist, root / "llama.cpp")
-    sp_model = train_tokenizer(root)
-    made = {}
-    for name, arch, template, eos, ctx in (("qwen2", "qwen2", CHATML, "<|im_end|>", CONTEXT),
-                                           ("gemma", "gemma", GEMMA, "</s>", CONTEXT),
-                                           ("no_template", "qwen2", None, "</s>", LONG_CONTEXT)):
-        made[save_hf(arch, root / f"hf-{name}", sp_model, template, eos, ctx)] = root / f"{name}-F32.gguf"
-    convert(script, made)
-    return Foreign(*made.values())
+
+    def build(root: Path) -> Foreign:
+        script = extract_converter(sdist, root / "llama.cpp")
+        sp_model = train_tokenizer(root)
+        made = {}
+        for name, arch, template, eos, ctx in (("qwen2", "qwen2", CHATML, "<|im_end|>", CONTEXT),
+                                               ("gemma", "gemma", GEMMA, "</s>", CONTEXT),
+                                               ("no_template", "qwen2", None, "</s>", LONG_CONTEXT)):
+            made[save_hf(arch, root / f"hf-{name}", sp_model, template, eos, ctx)] = root / f"{name}-F32.gguf"
+        convert(script, made)
+        return Foreign(*made.values())
+
+    return built_once(tmp_path_factory, "foreign-gguf", build)

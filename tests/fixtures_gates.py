@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, built_once
 
 from training import distributed as D
 from training.config import TrainConfig
@@ -39,19 +39,21 @@ def _prepare(out: Path, vocab: int | None, **kw) -> Path:
 @pytest.fixture(scope="session")
 def gate_data(tmp_path_factory) -> Path:
     """A healthy data folder: 1024-piece BPE, ~38k training and ~5k validation tokens."""
-    return _prepare(tmp_path_factory.mktemp("gates") / "data", VOCAB)
+    return built_once(tmp_path_factory, "gates", lambda root: _prepare(root / "data", VOCAB))
 
 
 @pytest.fixture(scope="session")
 def byte_data(tmp_path_factory) -> Path:
     """The same corpus through an English-only BPE: every Bangla character falls back to its 3 UTF-8
     bytes (the byte-level trap), with the tokenizer gates skipped at prepare time."""
-    root = tmp_path_factory.mktemp("gates")
-    english = [normalize(s) for f in sorted(CORPUS.glob("en_*.txt"))
-               for s in f.read_text(encoding="utf-8").splitlines() if s.strip()]
-    train_tokenizer(english, BYTE_VOCAB, num_threads=1).save(root / "en.model")
-    return _prepare(root / "bytes", None, tokenizer=root / "en.model",
-                    skip_gates=["tokenizer.fertility", "tokenizer.balance"])
+    def build(root: Path) -> Path:
+        english = [normalize(s) for f in sorted(CORPUS.glob("en_*.txt"))
+                   for s in f.read_text(encoding="utf-8").splitlines() if s.strip()]
+        train_tokenizer(english, BYTE_VOCAB, num_threads=1).save(root / "en.model")
+        return _prepare(root / "bytes", None, tokenizer=root / "en.model",
+                        skip_gates=["tokenizer.fertility", "tokenizer.balance"])
+
+    return built_once(tmp_path_factory, "gates-bytes", build)
 
 
 def variant(data: Path, dest: Path, *, val_from_train: bool = False, bad_token: int | None = None,

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import built_once
 
 from training import checkpoint
 from training.logprobs import kl_rows
@@ -27,8 +28,10 @@ def onnx_export(onnx_run, tmp_path_factory) -> tuple[Path, list[Path]]:
     """(out_dir, files written) of the tiny run exported with fp32, int8 and int4."""
     from export.onnx import export_onnx
 
-    out = tmp_path_factory.mktemp("onnx-export") / "onnx"
-    return out, export_onnx(onnx_run, out, int8=True, int4=True)
+    def build(root: Path) -> tuple[Path, list[Path]]:
+        return root / "onnx", export_onnx(onnx_run, root / "onnx", int8=True, int4=True)
+
+    return built_once(tmp_path_factory, "onnx-export", build)
 
 
 @pytest.fixture(scope="session")

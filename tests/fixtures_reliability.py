@@ -18,7 +18,7 @@ from pathlib import Path
 
 import preloaded
 import pytest
-from conftest import REPO
+from conftest import REPO, built_once
 
 TRAIN_PY = REPO / "training" / "train.py"
 ASSETS_CORPUS = REPO / "training" / "assets" / "corpus"
@@ -157,11 +157,13 @@ class EntryGuard:
 @pytest.fixture(scope="session")
 def rel_run(bn_data, tmp_path_factory) -> Path:
     """A run folder written by `training/train.py` (4 steps, checkpoints at 2 and 4). Copy before changing it."""
-    out = tmp_path_factory.mktemp("rel") / "run"
-    r = run_cli(train_argv(bn_data, out))
-    if r.returncode != 0:
-        raise AssertionError(f"train.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    return out
+    def build(root: Path) -> Path:
+        r = run_cli(train_argv(bn_data, root / "run"))
+        if r.returncode != 0:
+            raise AssertionError(f"train.py failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        return root / "run"
+
+    return built_once(tmp_path_factory, "rel", build)
 
 
 @pytest.fixture(scope="session")
@@ -172,10 +174,11 @@ def foreign_tokenizer(tmp_path_factory) -> Path:
 
     lines = [normalize(x) for f in sorted(ASSETS_CORPUS.glob("*.txt"))
              for x in f.read_text(encoding="utf-8").splitlines() if x.strip()]
-    tok = train_tokenizer(lines, 2048, num_threads=1)
-    path = tmp_path_factory.mktemp("foreign-tok") / "tokenizer.model"
-    tok.save(path)
-    return path
+    def build(root: Path) -> Path:
+        train_tokenizer(lines, 2048, num_threads=1).save(root / "tokenizer.model")
+        return root / "tokenizer.model"
+
+    return built_once(tmp_path_factory, "foreign-tok", build)
 
 
 @pytest.fixture(scope="session")
@@ -184,11 +187,14 @@ def rel_gguf(rel_run, tmp_path_factory) -> Path:
     from export.gguf import export_gguf
     from export.manifest import Manifest, default_out_dir, load_source
 
-    run = tmp_path_factory.mktemp("rel-gguf") / "run"
-    shutil.copytree(rel_run, run)
-    src = load_source(run)
-    out = default_out_dir(src)
-    manifest = Manifest.open(out, src, force=True)
-    paths = export_gguf(src, out, ["F32"], manifest, force=True)
-    manifest.save()
-    return paths[0]
+    def build(root: Path) -> Path:
+        run = root / "run"
+        shutil.copytree(rel_run, run)
+        src = load_source(run)
+        out = default_out_dir(src)
+        manifest = Manifest.open(out, src, force=True)
+        paths = export_gguf(src, out, ["F32"], manifest, force=True)
+        manifest.save()
+        return paths[0]
+
+    return built_once(tmp_path_factory, "rel-gguf", build)

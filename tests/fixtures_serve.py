@@ -16,7 +16,7 @@ from pathlib import Path
 
 import preloaded
 import pytest
-from conftest import CHAT_SET, CORPUS, REPO
+from conftest import CHAT_SET, CORPUS, REPO, built_once
 
 from training.text import normalize
 
@@ -68,25 +68,26 @@ def run_sft(*args: str) -> None:
         raise AssertionError(f"sft.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
 
 
-# Test modules import the fixtures below by name, which makes each module's copy a fixture of its own
-# (pytest re-runs a session fixture per defining module): the built run is kept here, so SFT runs once.
-_BUILT: dict[Path, Path] = {}  # tiny_run -> chat run
-_GGUF: dict[Path, Path] = {}  # chat run -> its F16 GGUF
-
-
-@pytest.fixture(scope="session")
-def serve_run(tiny_run, tmp_path_factory) -> Path:
-    """A RUN_DIR holding the tiny Bangla chat model (its own folder: tests may export into it)."""
-    if tiny_run in _BUILT:
-        return _BUILT[tiny_run]
-    root = tmp_path_factory.mktemp("serve")
+def build_chat_run(tiny_run: Path, root: Path) -> tuple[Path, Path]:
+    """(RUN_DIR, its F16 GGUF): the tiny Bangla chat model SFT-trained from `tiny_run`, exported once."""
     out = root / "run"
     run_sft("--init", str(tiny_run), "--data", str(write_chats(root / "chats.jsonl")), "--out", str(out),
             "--max-steps", str(STEPS), "--batch-size", str(len(QUESTIONS)), "--seq-len", str(SEQ), "--lr", str(LR),
             "--warmup-steps", "5",
             "--eval-every", str(STEPS), "--save-every", str(STEPS), "--log-every", str(STEPS))
-    _BUILT[tiny_run] = out
-    return out
+    return out, try_export_gguf(out)
+
+
+@pytest.fixture(scope="session")
+def chat_run(tiny_run, tmp_path_factory) -> tuple[Path, Path]:
+    """Built once with its GGUF inside (RUN/export/gguf/), so the folder is read-only afterwards."""
+    return built_once(tmp_path_factory, "serve", lambda root: build_chat_run(tiny_run, root))
+
+
+@pytest.fixture(scope="session")
+def serve_run(chat_run) -> Path:
+    """A RUN_DIR holding the tiny Bangla chat model, its F16 GGUF exported (read it; copy it to write)."""
+    return chat_run[0]
 
 
 def try_export_gguf(run_dir: Path, types: tuple[str, ...] = ("F16",)) -> Path:
@@ -103,10 +104,8 @@ def try_export_gguf(run_dir: Path, types: tuple[str, ...] = ("F16",)) -> Path:
 
 
 @pytest.fixture(scope="session")
-def serve_gguf(serve_run) -> Path:
-    if serve_run not in _GGUF:
-        _GGUF[serve_run] = try_export_gguf(serve_run)
-    return _GGUF[serve_run]
+def serve_gguf(chat_run) -> Path:
+    return chat_run[1]
 
 
 @pytest.fixture(scope="module")
