@@ -30,6 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two xdist workers and their children share 2 cores: an OpenMP thread that finished its share sleeps instead of
+# spinning on the core another process needs (read when torch loads, here and in every child).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Each fixture module once, for every test module (see the docstring); registered here, before any test
 # module imports it, so pytest rewrites its asserts. fixtures_evaluate serves test_evaluate alone.
@@ -203,6 +206,14 @@ def tiny_run(bn_data, tmp_path_factory) -> Path:
         return root / "tiny"
 
     return built_once(tmp_path_factory, "run", build)
+
+
+def pytest_configure(config) -> None:
+    """An xdist worker runs its in-process torch on one thread: the other worker holds the other core."""
+    if os.environ.get(XDIST_WORKER):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 _WORKER_FORKS: list[int] = []  # under pytest-xdist: each finished worker's count, summed by the controller
