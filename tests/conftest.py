@@ -145,7 +145,11 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
         value = build(root)
         _BUILT[root] = files_of(root)
         return value
-    base = tmp_path_factory.getbasetemp().parent  # the run's temporary folder, above each worker's own
+    return build_shared(tmp_path_factory.getbasetemp().parent, name, build)  # the run's folder, above the workers'
+
+
+def build_shared(base: Path, name: str, build: Callable[[Path], T]) -> T:
+    """`build(base/shared-NAME)` by the first process to ask, under a file lock; every process gets its value."""
     root, done = base / f"shared-{name}", base / f"shared-{name}.pickle"
     with FileLock(str(base / f"shared-{name}.lock")):
         if not done.exists():
@@ -162,13 +166,15 @@ def shared_fixtures_untouched():
     """After the last test: every folder `built_once` made is as it was built. A test that wrote into one
     would race the other worker's tests reading it (and change what later tests see): copy it first."""
     yield
-    changed = []
-    for root, before in _BUILT.items():
-        now = files_of(root)
-        diff = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-        if diff:
-            changed.append(f"{root}: {', '.join(diff[:8])}{' ...' if len(diff) > 8 else ''}")
+    changed = [f"{root}: {', '.join(d[:8])}{' ...' if len(d) > 8 else ''}"
+               for root, before in _BUILT.items() if (d := changed_files(root, before))]
     assert not changed, "tests wrote into shared fixture folders (copy them first): " + "; ".join(changed)
+
+
+def changed_files(root: Path, before: dict[str, tuple[int, int]]) -> list[str]:
+    """The files under `root` added, removed, resized or rewritten since `before` (files_of)."""
+    now = files_of(root)
+    return sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
 
 
 # --------------------------------------------------------------------------- shared tiny artifacts
