@@ -239,22 +239,26 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: -SLOW_MODULES.get(item.path.stem, 0))  # stable: a file's tests keep their order
 
 
-_WORKER_FORKS: list[int] = []  # under pytest-xdist: each finished worker's count, summed by the controller
+SUMMARY: list[str] = []  # lines a test asks to show at the end of the run (the hostile sweep's case count)
+_FROM_WORKERS: list[dict] = []  # under pytest-xdist: each finished worker's counts and lines, for the controller
 
 
 def pytest_sessionfinish(session) -> None:
-    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the count to the controller
-        session.config.workeroutput["forked_runs"] = preloaded.forked_runs
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its output is not shown; hand it over
+        session.config.workeroutput.update(forked_runs=preloaded.forked_runs, summary=SUMMARY)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    _WORKER_FORKS.append(getattr(node, "workeroutput", {}).get("forked_runs", 0))
+    _FROM_WORKERS.append(getattr(node, "workeroutput", {}))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many CLI runs were forked from the preloaded interpreter (tests/preloaded.py) instead of cold."""
-    n = preloaded.forked_runs + sum(_WORKER_FORKS)
+    """The tests' summary lines, and how many CLI runs were forked from the preloaded interpreter
+    (tests/preloaded.py) instead of started cold."""
+    for line in SUMMARY + [x for w in _FROM_WORKERS for x in w.get("summary", [])]:
+        terminalreporter.write_line(line)
+    n = preloaded.forked_runs + sum(w.get("forked_runs", 0) for w in _FROM_WORKERS)
     if n:
         terminalreporter.write_line(f"preloaded: {n} CLI runs forked from the preloaded "
                                     "interpreter (PRODIP_TEST_COLD=1 runs them cold)")

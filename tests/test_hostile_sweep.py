@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SUMMARY
 
 MISSING = "/nonexistent/prodip-sweep/missing"
 UNKNOWN_NAME = "nosuch-name"
@@ -603,10 +603,10 @@ def test_damaged_file(case, damage, request, tmp_path, capsys):
     assert snapshot(tmp_path, argv) == before, f"{case} [{damage}]: a refused command changed or wrote files"
 
 
-def test_sweep_counts(capsys):
-    """Print the number of cases: README reports it."""
+def test_sweep_counts():
+    """The number of cases, shown at the end of the run (conftest.SUMMARY, also from an xdist worker): README
+    reports it."""
     n_gen, n_ok, n_file = len(GENERATED), len(ACCEPTED), len(FILE_CASE_IDS)
-    with capsys.disabled():
-        print(f"\nhostile sweep: {n_gen} refused flag cases + {n_ok} accepted boundary values + {n_file} "
-              f"damaged-file cases = {n_gen + n_ok + n_file} cases, each with an expectation declared in the test")
+    SUMMARY.append(f"hostile sweep: {n_gen} refused flag cases + {n_ok} accepted boundary values + {n_file} "
+                   f"damaged-file cases = {n_gen + n_ok + n_file} cases, each with an expectation declared in the test")
     assert n_gen and n_ok and n_file
