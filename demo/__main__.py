@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from training.cli import ArgumentParser, run_main
 from training.schema import Port, PositiveInt, flag
+from training.urls import local_path
 
 HOST_PORT_FLAGS = "--host/--port"
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     from demo.models import DEFAULT_HOST, DEFAULT_PORT
 
     ap = ArgumentParser(prog="python -m demo", description="Bangla chat demo (Gradio)")  # one `error:` line
-    ap.add_argument("--model", type=Path, help=".gguf / .onnx / run or checkpoint folder (default: the quickstart's)")
+    ap.add_argument("--model", type=local_path, help=".gguf / .onnx / run or checkpoint folder (default: the quickstart's)")
     ap.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST}: this machine only)")
     ap.add_argument("--port", type=flag(Port), default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}; 0 = any free port")
     ap.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")

@@ -1,4 +1,5 @@
 """python -m export {safetensors,onnx,gguf,all,parity} RUN_DIR|CHECKPOINT_DIR [--out DIR] [--step N] [--force]
+   python -m export verify EXPORT_DIR   (every file against manifest.json's sha256: export.verify)
 
 Writes under RUN_DIR/export/ by default (hf/, onnx/, gguf/, manifest.json, README.md) and prints what
 it wrote, with sizes. Every export ends with a parity run against the PyTorch checkpoint (parity.json,
@@ -32,12 +33,14 @@ from export.manifest import (
 )
 from training import layout
 from training.cli import ArgumentParser, run_main
+from training.files import Input, check_apart
 from training.schema import NonNegInt, PositiveInt, flag
+from training.urls import local_path
 
 if TYPE_CHECKING:
     from training.remote import Remote
 
-COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity")
+COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity", "verify")
 DEFAULT_GGUF = ("F16", "Q8_0", "Q4_K_M")
 IMATRIX_DEFAULT_TEXT = Path("-")  # `--imatrix` without a value: export.imatrix.DEFAULT_CALIBRATION
 EXIT_PARITY = 1  # files written, a parity threshold breached (bad input exits 2 through training.cli)
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a local folder, or a run's store URL (s3://BUCKET/PREFIX/RUN: its newest committed checkpoint "
                         "is pulled into ~/.cache/prodip/runs/, exported there and, once parity passed, "
                         "uploaded to URL/export/ (export.writeback); --out DIR: only to DIR)")
-    p.add_argument("--out", type=Path, help="export folder (default RUN_DIR/export)")
+    p.add_argument("--out", type=local_path, help="export folder (default RUN_DIR/export)")
     p.add_argument("--step", type=flag(NonNegInt), help="checkpoint step (default: the newest complete one)")
     p.add_argument("--force", action="store_true", help="overwrite existing exports (and a URL's URL/export/)")
     g = p.add_argument_group("gguf")
@@ -69,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--q4", action="store_true", help="Q4_K_M")
     g.add_argument("--type", action="append", default=[], metavar="NAME", help="any llama.cpp file type, e.g. Q5_K_M")
     g.add_argument("--threads", type=flag(PositiveInt), default=None, help="quantizer threads (default: all cores)")
-    g.add_argument("--imatrix", nargs="?", type=Path, const=IMATRIX_DEFAULT_TEXT, default=None, metavar="TEXT",
+    g.add_argument("--merge", action="store_true",
+                   help="an adapter run (sft.py --lora-rank): one GGUF per type with the adapter merged into the "
+                        "base, instead of the base's GGUF files plus the adapter as a LoRA GGUF")
+    g.add_argument("--imatrix", nargs="?", type=local_path, const=IMATRIX_DEFAULT_TEXT, default=None, metavar="TEXT",
                    help="quantize K/IQ types with an importance matrix (llama-imatrix's statistic, computed "
                         "from the checkpoint) on TEXT (default: the shipped Bangla calibration text)")
     o = p.add_argument_group("onnx")
@@ -82,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--threshold", action="append", default=[], metavar="KIND.METRIC=VALUE")
     q.add_argument("--new-tokens", type=flag(PositiveInt), default=None,
                    help=f"greedy continuation length (default 16, at most {MAX_NEW_TOKENS})")
-    q.add_argument("--texts", type=Path, help="extra texts (one per line) for tokenizer parity")
+    q.add_argument("--texts", type=local_path, help="extra texts (one per line) for tokenizer parity")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -313,17 +319,35 @@ def write_back_verified(store: Remote, out: Path, src: Source, args: argparse.Na
     write_back(store, out, src.step or 0, lambda m: print(m))
 
 
+def inputs_of(src: Source, args: argparse.Namespace) -> list[Input]:
+    """What an export reads, for check_apart: the checkpoint, its run (whose own RUN/export the default
+    --out is, so an --out inside it is fine outside checkpoints/), --texts and --imatrix's text."""
+    run = src.run_dir
+    return [Input("CHECKPOINT_DIR", src.path), Input("RUN_DIR", run, out_inside_ok=True),
+            Input("RUN_DIR", run and run / layout.CHECKPOINTS), Input("--texts", args.texts),
+            Input("--imatrix", None if args.imatrix == IMATRIX_DEFAULT_TEXT else args.imatrix)]
+
+
 def run(args: argparse.Namespace) -> int:
     from export.card import write_card
     from export.parity import parse_thresholds, run_parity
 
+    if args.command == "verify":
+        from export.verify import run_verify
+
+        return run_verify(args, vars(build_parser().parse_args(["verify", "EXPORT_DIR"])))
     check_options(args)
     thresholds = parse_thresholds(args.threshold)
     extra = read_texts(args.texts)
     store = pull_url(args) if isinstance(args.path, str) else None
+    from export.lora_gguf import export_adapter_run  # an adapter run (sft.py --lora-rank) exports there
+
+    if (adapter := export_adapter_run(args, gguf_types(args))) is not None:
+        return adapter
     src = load_source(args.path, args.step)
     check_gates(src)
     out = args.out or default_out_dir(src)
+    check_apart("--out", out, inputs_of(src, args), ExportError)
     if args.command == "parity":
         manifest = Manifest.read(out)
         check_threshold_kinds(manifest, args)

@@ -38,9 +38,12 @@ from training.evaluate import (
     update_card,
     write_outputs,
 )
+from training.evaluate.cli import read_inputs
+from training.files import Input, check_apart
 from training.layout import CARD, EXPORT
 from training.logprobs import log_softmax
 from training.schema import PositiveInt, flag
+from training.urls import local_text
 
 CARD_MARKER = "eval-export"  # a card section of its own, beside training.evaluate's
 REFERENCE_NAME = "torch (reference)"
@@ -115,6 +118,8 @@ def run_cli(args: argparse.Namespace) -> int:
     req = build_request(args.text, args.mc, limit=args.limit, max_doc_chars=args.max_doc_chars, stride=args.stride)
     out_dir, card = default_out(files)
     out_dir = Path(args.out) if args.out else out_dir
+    check_apart("--out", out_dir, [*(Input("FILE", f) for f in files), *read_inputs(args),
+                                   Input("--reference", args.reference, out_inside_ok=True)], EvalError)
     if (out_dir / OUTPUT_FILES[0]).exists() and not args.force:
         raise EvalError(f"{out_dir / OUTPUT_FILES[0]} already exists; pass --force to overwrite or --out DIR")
     progress = not args.no_progress
@@ -159,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m export.evaluate", description=(
         "Score exported models (GGUF via llama.cpp, ONNX via onnxruntime) with the same metrics as "
         "training.evaluate; with --reference, deltas against the PyTorch checkpoint."))
-    ap.add_argument("files", nargs="+", metavar="FILE", help=".gguf / .onnx files (or folders serving.load accepts)")
-    ap.add_argument("--reference", default=None, metavar="RUN_OR_CHECKPOINT",
+    ap.add_argument("files", nargs="+", metavar="FILE", type=local_text, help=".gguf / .onnx files (or folders serving.load accepts)")
+    ap.add_argument("--reference", default=None, metavar="RUN_OR_CHECKPOINT", type=local_text,
                     help="also score this PyTorch checkpoint and report each file's delta against it")
     ap.add_argument("--backend", default=None, type=backend_name, metavar="BACKEND",
                     help=f"force a serving backend: {', '.join(serving.RUNTIMES)} (default: from the file)")

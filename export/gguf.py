@@ -155,20 +155,29 @@ def write_gguf(src: Source, path: Path, type_name: str = "F16", *, permute_qk: b
         dtype = np.dtype(np.float32 if len(shape) == 1 else out_dtype)  # 1-D norms stay F32
         w.add_tensor_info(to_gguf(name), shape, dtype, int(np.prod(shape)) * dtype.itemsize)
         plan.append((name, dtype))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        w.write_header_to_file(tmp)
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
+    def arrays():  # one tensor in memory at a time
         for (name, dtype), (name2, t) in zip(plan, src.tensors(), strict=True):
             assert name == name2
             arr = t.numpy()
             row, _ = lookup(name)
             if permute_qk and row.permute:
                 arr = permute_rope(arr, permute_heads(src.config, row.permute))
-            w.write_tensor_data(np.ascontiguousarray(arr, dtype=dtype))
-            del arr, t
+            yield np.ascontiguousarray(arr, dtype=dtype)
+
+    return write_tensors(w, path, arrays())
+
+
+def write_tensors(w: gguf.GGUFWriter, path: Path, arrays) -> Path:
+    """Write a GGUFWriter whose metadata and tensor infos are set, with `arrays` (in tensor-info order)
+    as the data, to `path` atomically: a temporary file renamed into place, removed on any failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        w.write_header_to_file(tmp)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for arr in arrays:
+            w.write_tensor_data(arr)
         w.close()
         os.replace(tmp, path)
     except BaseException:

@@ -15,7 +15,11 @@ tokenizer.model stays for SentencePiece-based tools (llama.cpp's convert_hf_to_g
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from export import ExportError
 from export.hf_tokenizer import TOKENIZER_JSON, write_tokenizer_json
@@ -136,21 +140,46 @@ def write_tokenizer(tok: Tokenizer, d: Path, max_seq_len: int) -> list[Path]:
 
 
 def export_hf(src: Source, out_dir: Path, manifest: Manifest, *, force: bool = False) -> list[Path]:
-    """Write the HF folder under `out_dir/hf`; returns the written paths."""
+    """Write the HF folder under `out_dir/hf`; returns the written paths. The folder is written whole
+    beside its place and renamed into it: a failure (a full disk) is one line and leaves no half-written
+    export (an earlier hf/ stays as it was until the new one is complete)."""
     d = out_dir / layout.HF_DIR
     if (d / WEIGHTS_FILE).exists() and not force:
         raise ExportError(f"{d / WEIGHTS_FILE} exists; use --force to overwrite")
-    d.mkdir(parents=True, exist_ok=True)
-    # Renaming keys shares the tensors: one fp32 copy of the model in memory (safetensors needs all).
-    weights = {to_hf(name): t.contiguous() for name, t in src.tensors()}
-    tmp = d / (WEIGHTS_FILE + ".tmp")
-    save_safetensors(weights, tmp, metadata={"format": "pt"})  # the user's umask, not 0600
-    del weights
-    tmp.replace(d / WEIGHTS_FILE)
-    _write_json(d / CONFIG_FILE, hf_config(src))
-    _write_json(d / GENERATION_FILE, generation_config(src))
-    write_tokenizer(src.tokenizer, d, src.config.max_seq_len)
+    tmp = out_dir / f".tmp-{layout.HF_DIR}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        # Renaming keys shares the tensors: one fp32 copy of the model in memory (safetensors needs all).
+        weights = {to_hf(name): t.contiguous() for name, t in src.tensors()}
+        save_safetensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})  # the user's umask, not 0600
+        del weights
+        _write_json(tmp / CONFIG_FILE, hf_config(src))
+        _write_json(tmp / GENERATION_FILE, generation_config(src))
+        write_tokenizer(src.tokenizer, tmp, src.config.max_seq_len)
+        _put_in_place(tmp, d)
+    except (OSError, SafetensorError) as e:  # ENOSPC, EFBIG, EDQUOT, a read-only folder: the OS's words
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"could not write the HF export {d} ({' '.join(str(e).split())[:300]}); nothing of it "
+                          "was kept: free some space, then run the same command again") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     paths = [d / f for f in FILES]
     for p in paths:
         manifest.add(p, "hf", "F32" if p.name == WEIGHTS_FILE else p.suffix.lstrip("."))
     return paths
+
+
+def _put_in_place(tmp: Path, d: Path) -> None:
+    """`tmp` renamed to `d`; an older `d` (--force) moved aside first and removed once the new one is there."""
+    old = d.with_name(f".old-{d.name}-{os.getpid()}")
+    if d.exists():
+        d.replace(old)
+    try:
+        tmp.replace(d)
+    except BaseException:
+        if old.exists():
+            old.replace(d)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -15,6 +15,15 @@
 # The folder `$CACHE/latest` always points at the most recently built tools; prodip's Python code
 # (export/llama_tools.py) looks there after $PRODIP_LLAMA_TOOLS and $PATH.
 set -euo pipefail
+usage() {  # the header comment above, as the --help text
+  echo "usage: $1"
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+}
+case "${1:-}" in
+  -h|--help) usage "scripts/build_llama_tools.sh [--print]"; exit 0 ;;
+  ""|--print) ;;
+  *) echo "error: scripts/build_llama_tools.sh: unknown option $1 (use --print, --help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 
 LLAMA_VERSION=0.3.36

@@ -19,6 +19,10 @@
 # Exit status: gpu_validate.py's (0: trained, measured, preempted and resumed; 1: a phase failed), 2: a bad
 # flag, no torch, an install failed.
 set -euo pipefail
+usage() {  # the header comment above, as the --help text
+  echo "usage: $1"
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+}
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 
@@ -39,8 +43,9 @@ while [ $# -gt 0 ]; do
     --data) [ $# -ge 2 ] || die "--data needs a folder"; DATA=$2; shift 2 ;;
     --wheelhouse) [ $# -ge 2 ] || die "--wheelhouse needs a folder"; WHEELHOUSE=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
+    -h|--help) usage "bash scripts/gpu_check.sh --out DIR [options] [-- GPU_VALIDATE_ARGS]"; exit 0 ;;
     --) shift; PASS=("$@"); break ;;
-    *) die "scripts/gpu_check.sh: unknown option $1 (use --out, --budget-s, --data, --wheelhouse, --dry-run, -- ARGS)" ;;
+    *) die "scripts/gpu_check.sh: unknown option $1 (use --out, --budget-s, --data, --wheelhouse, --dry-run, --help, -- ARGS)" ;;
   esac
 done
 [ -n "$OUT" ] || die "--out DIR is required (the results folder)"
@@ -48,6 +53,11 @@ done
 [ -z "$DATA" ] || [ -f "$DATA/meta.json" ] || die "--data $DATA: not a prepared data folder (no meta.json)"
 [ -z "$WHEELHOUSE" ] || [ -d "$WHEELHOUSE" ] || die "--wheelhouse $WHEELHOUSE: not a folder"
 [ ! -e "$OUT" ] || [ -d "$OUT" ] || die "--out $OUT: exists and is not a folder"
+if [ -n "$DATA" ]; then  # outputs never overlap inputs (training/files.py: check_apart, for every command)
+  o=$(realpath -m "$OUT") d=$(realpath -m "$DATA")
+  case "$o/" in "$d"/*) die "--out $OUT is (or is inside) --data $DATA: choose another --out" ;; esac
+  case "$d/" in "$o"/*) die "--out $OUT holds --data $DATA: choose another --out" ;; esac
+fi
 command -v "$PY" >/dev/null || die "$PY not found (set PYTHON=/path/to/python, the one with torch)"
 VERSIONS=$("$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" 2>/dev/null) \
   || die "$PY has no torch: install the CUDA build of torch first"

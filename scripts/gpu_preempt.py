@@ -21,13 +21,22 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from training import layout
-from training.cli import EXIT_PREEMPTED
-from training.gates.names import PREFLIGHT_NAMES
+if __name__ == "__main__":  # a phase of scripts/gpu_validate.py, which imports it: not a program of its own
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print("usage: python scripts/gpu_validate.py [options]  (this file is its preempt phase)\n\n" + __doc__)
+        sys.exit(0)
+    print("error: scripts/gpu_preempt.py is the preempt phase of scripts/gpu_validate.py: run that "
+          "(python scripts/gpu_validate.py --help)", file=sys.stderr)
+    sys.exit(2)
+
+from training import layout  # noqa: E402  (after the guard above: run as a script, `training` is not importable)
+from training.cli import EXIT_PREEMPTED  # noqa: E402
+from training.gates.names import PREFLIGHT_NAMES  # noqa: E402
 
 MAX_STEPS = 1000  # the preempted run's --max-steps: never reached, the signal stops it first
 RESUME_STEPS = 2  # the resumed run stops (--stop-at) this many steps past the preemption checkpoint

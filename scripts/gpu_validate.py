@@ -1,6 +1,6 @@
 """One-command GPU validation (about 5 minutes, at most 8 with compiles, on one H100/H200):
 
-    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size 8] [--grad-accum N]
+    python scripts/gpu_validate.py [--preset 400m] [--seq-len 2048] [--batch-size N] [--grad-accum N]
                                    [--steps 12] [--hourly-usd 3.0] [--data DATA_DIR] [--skip-1b] [--out DIR]
 
 Phases, each written to DIR/gpu_validate.json and DIR/gpu_validate.md as it starts and ends (a run
@@ -20,8 +20,8 @@ TRAIN_FLOOR_S, 150 s, or all that is left), and a later phase that no longer fit
    never wraps around; --data uses a folder you prepared instead (e.g. your real 32k-vocab data).
 4. train: `training/train.py` on CUDA with the pre-flight gates ON (gradient flow, compiled vs eager,
    overfit one batch, throughput with its MFU floor and backward/forward ratio, data, tokenizer),
-   then a short run of the preset's recipe (its grad-accum: 32 micro-batches, 0.5 M tokens per
-   optimizer step for 400m; --grad-accum overrides) with bf16 autocast, torch.compile, fused AdamW and
+   then a short run of the preset's recipe (its micro-batch and grad-accum: 16 x 16, 0.5 M tokens per
+   optimizer step for 400m; --batch-size, --grad-accum override) with bf16 autocast, torch.compile, fused AdamW and
    SDPA, every step logged, and one validation at its last step with the recipe's validation batches
    (eager blocks: no second graph).
    Its stderr (with TORCH_LOGS=graph_breaks,recompiles) goes to DIR/run-*.stderr.log: the graph breaks
@@ -279,11 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="400m", choices=list(PRESETS))
     ap.add_argument("--seq-len", type=flag(PositiveInt), default=2048)
-    ap.add_argument("--batch-size", type=flag(PositiveInt), default=8,
-                    help="micro-batch (8 x 2048 fits 80 GB for 400m)")
+    ap.add_argument("--batch-size", type=flag(PositiveInt), default=None,
+                    help="micro-batch (default: the preset's recipe: 16 x 2048 for 400m, 38.1 GiB on an H200)")
     ap.add_argument("--grad-accum", type=flag(PositiveInt), default=None,
                     help="micro-batches per optimizer step (default: the preset's recipe, training/presets/"
-                         "NAME.toml [train]: 32 for 400m, 0.5 M tokens per step)")
+                         "NAME.toml [train]: 16 for 400m, 0.5 M tokens per step)")
     ap.add_argument("--steps", type=flag(PositiveInt), default=DEFAULT_STEPS,
                     help="optimizer steps of the timed run, each logged")
     ap.add_argument("--hourly-usd", type=flag(NonNegFloat), default=HOURLY_USD,
@@ -522,10 +522,11 @@ def recipe(preset_name: str) -> TrainConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, with what they leave to the preset's recipe filled in from it: grad-accum (unless
-    --grad-accum) and the validation batches."""
+    """The flags, with what they leave to the preset's recipe filled in from it: the micro-batch (unless
+    --batch-size), grad-accum (unless --grad-accum) and the validation batches."""
     a = build_parser().parse_args(argv)
     r = recipe(a.preset)
+    a.batch_size = a.batch_size or r.batch_size
     a.grad_accum_from = "--grad-accum" if a.grad_accum else f"training/presets/{a.preset}.toml [train]"
     a.grad_accum = a.grad_accum or r.grad_accum
     a.eval_batches = r.eval_batches
@@ -539,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         check_out(a.out)
+        from training.files import Input, check_apart  # the rule of every command that writes
+
+        check_apart("--out", a.out, [Input("--data", a.data)], ValueError)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

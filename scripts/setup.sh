@@ -15,6 +15,10 @@
 #                      AMX but fault on AMX instructions (SIGILL in ggml's AMX matmul on quantized
 #                      models), and a native build would use them.
 set -euo pipefail
+usage() {  # the header comment above, as the --help text
+  echo "usage: $1"
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+}
 cd "$(dirname "$0")/.."
 
 DEV=0
@@ -23,7 +27,8 @@ for a in "$@"; do
   case "$a" in
     --dev) DEV=1 ;;
     --llama-tools) LLAMA_TOOLS=1 ;;  # llama.cpp's own programs (scripts/build_llama_tools.sh)
-    *) echo "error: scripts/setup.sh: unknown option $a (use --dev, --llama-tools)" >&2; exit 2 ;;
+    -h|--help) usage "scripts/setup.sh [--dev] [--llama-tools]"; exit 0 ;;
+    *) echo "error: scripts/setup.sh: unknown option $a (use --dev, --llama-tools, --help)" >&2; exit 2 ;;
   esac
 done
 VENV=${PRODIP_VENV:-.venv}
@@ -62,7 +67,7 @@ if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
 fi
 
 if [ "$DEV" = 1 ]; then
-  "${PIP[@]}" -e ".[dev]"
+  "${PIP[@]}" -e ".[dev,cluster]"
   # the browser test: Chromium, and a Bengali font (without one every Bangla glyph is a box; the test
   # fails on that). Debian's fonts-noto-core holds Noto Sans/Serif Bengali.
   need=()

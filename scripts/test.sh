@@ -5,6 +5,15 @@
 # module's fixtures are built once), the longest files first (conftest.SLOW_MODULES); the session fixtures'
 # files are built once for both (conftest.built_once).
 set -euo pipefail
+usage() {  # the header comment above, as the --help text
+  echo "usage: $1"
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+}
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # before the setup: --help changes nothing (pytest's own: -- --help)
+  usage "scripts/test.sh [PYTEST_ARGS ...]"
+  exit 0
+fi
+[[ "${1:-}" != -- ]] || shift
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev --llama-tools
 PY=${PRODIP_VENV:-.venv}/bin/python

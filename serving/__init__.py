@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.backend import Backend, SamplingParams, ServingError
+from serving.export_files import check_before_load
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,13 @@ def runtime_name(path: str | Path, backend: str | None = None) -> str:
 
 def load(path: str | Path, backend: str | None = None, **kwargs) -> Backend:
     """Open `path` with the runtime `runtime_name` picks; keyword arguments go to that backend
-    (every backend takes `threads`)."""
+    (every backend takes `threads`). A file of an export folder is first checked against the sizes and
+    sha256 its manifest.json lists (serving.export_files)."""
     p = Path(path)
     if not p.exists():
         raise ServingError(f"model not found: {p}")
     rt = RUNTIMES[runtime_name(p, backend)]
+    check_before_load(p)  # a file of an export: as its manifest.json lists it, or refused by name
     return getattr(importlib.import_module(rt.module), rt.cls)(p, **kwargs)
 
 

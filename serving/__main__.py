@@ -6,8 +6,9 @@ checkpoint folder, or a file of a run's export written back to a store (s3://BUC
 NAME.gguf: pulled into the run's cache, sha256 checked, training.remote.pull_export). A base model
 (pretrained, not chat-tuned, as its run files or GGUF metadata say) completes text instead of
 chatting, and says so; --chat applies the chat template anyway, --raw completes text with any
-model. With --http every request carries its own sampling fields: the
-terminal-only flags (sampling, --system, --raw, --chat, --stats) are refused by name.
+model. --system needs the chat template: with --raw, or with a base model's text completion, it is
+refused by name (add --chat to chat with a base model). With --http every request carries its own
+sampling fields: the terminal-only flags (sampling, --system, --raw, --chat, --stats) are refused by name.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from serving.chat_session import ChatSession, chat_tuned, completion_stream
 from serving.flags import backend_name
 from serving.http import ServerConfig, bound_port, parse_bind, reserve_socket, serve
 from serving.http_requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP
+from serving.lora_flags import add_lora_flags, lora_kwargs
 from serving.text_stream import TextStream
 from training.cli import ArgumentParser, run_main
 from training.remote import is_url, pull_export
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="HTTP request body cap")
     ap.add_argument("--max-tokens-cap", type=flag(MaxNewTokens), default=DEFAULT_MAX_TOKENS_CAP,
                     help="HTTP max_tokens cap")
+    add_lora_flags(ap)
     ap.add_argument("--stats", action="store_true", help="print tokens/s after each reply (to stderr)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     return ap
@@ -142,6 +145,13 @@ def check_http_flags(args: argparse.Namespace) -> None:
                            f"({TERMINAL_ONLY[k]}); use it with --prompt or the terminal chat")
 
 
+def check_raw_flags(args: argparse.Namespace) -> None:
+    """A plain completion has no system prompt: --system with --raw would be dropped, so it is refused."""
+    if args.raw and args.system is not None:
+        raise ServingError("--system does not apply to --raw: a plain text completion has no system prompt; "
+                           "leave out one of them")
+
+
 def sampling(args: argparse.Namespace) -> SamplingParams:
     d = SamplingParams()
     pick = lambda v, default: default if v is None else v  # noqa: E731
@@ -154,10 +164,15 @@ def sampling(args: argparse.Namespace) -> SamplingParams:
 
 def use_chat(args: argparse.Namespace, backend: Backend) -> bool:
     """Chat template or plain completion: --raw / --chat decide; else a base model completes text
-    (and says so in one line), a chat-tuned or unknown one chats."""
+    (and says so in one line; --system, which only a chat can use, is refused), a chat-tuned or unknown
+    one chats."""
     if args.raw or args.chat:
         return args.chat
     if chat_tuned(backend, args.model) is False:
+        if args.system is not None:  # it used to be dropped without a word here
+            raise ServingError(f"--system needs the chat template, but {args.model} is a base model (pretrained, "
+                               "not chat-tuned) that completes your text as written; add --chat to apply the "
+                               "template anyway, or leave out --system")
         print(f"note: {args.model} is a base model (pretrained, not chat-tuned): completing your text as written; "
               "--chat applies the chat template anyway", file=sys.stderr)
         return False
@@ -173,6 +188,7 @@ def complete_interactive(backend: Backend, params: SamplingParams, show_stats: b
 def run(args: argparse.Namespace) -> None:
     if args.http:
         check_http_flags(args)
+    check_raw_flags(args)
     params = sampling(args)
     if is_url(args.model):  # a file of a run's written-back export: pulled into the run's cache, sha256 checked
         args.model = str(pull_export(args.model, lambda m: print(m, file=sys.stderr)))
@@ -181,6 +197,7 @@ def run(args: argparse.Namespace) -> None:
     sock = reserve_socket(*bind) if bind else None
     try:
         kwargs = {"threads": args.threads} if args.threads else {}
+        kwargs.update(lora_kwargs(args))  # --lora ADAPTER.gguf: applied by llama.cpp at run time
         backend = load(args.model, backend=args.backend, **kwargs)
     except BaseException:
         if sock:

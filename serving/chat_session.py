@@ -6,7 +6,9 @@
   template instead (`backend.render_chat`), or, with no template, continues the conversation as plain
   text and says so in the notice.
 - When a conversation outgrows the context, the oldest non-system turns are dropped and the result
-  carries a notice for the user; a single message that cannot fit is a `PromptTooLong` error.
+  carries a notice for the user; a single message that cannot fit is a `PromptTooLong` error. The
+  cost is linear in the conversation (training.chat.truncate_history measures the newest turns only
+  until the budget is spent; a foreign template is bisected), as a server does this for any client.
 - The reply streams through `serving.text_stream.TextStream` (UTF-8-safe text pieces, stop strings,
   timing); this module decides what the prompt is and keeps a terminal conversation's turns.
 """
@@ -135,27 +137,51 @@ def _foreign_ids(backend: Backend, messages: list[dict]) -> tuple[list[int], tup
     return backend.tokenize(prompt, bos=False, allow_special=True), stop
 
 
-def _oldest_turn(messages: list[dict]) -> int | None:
-    """Index of the oldest non-system message that may go (never the last one), else None."""
-    return next((i for i, m in enumerate(messages[:-1]) if m["role"] != "system"), None)
+def _drop_cuts(msgs: list[dict]) -> tuple[list[int], list[int]]:
+    """(droppable, cuts): the non-system messages but the last, oldest first, and how many of them are
+    gone after each drop step (step 0: none). A step drops the oldest turn, then any reply left leading
+    (many templates insist that a conversation starts with the user)."""
+    droppable = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
+    cuts, c = [0], 0
+    while c < len(droppable):
+        c += 1
+        while c < len(droppable) and msgs[droppable[c]]["role"] == "assistant":
+            c += 1
+        cuts.append(c)
+    return droppable, cuts
 
 
 def prepare_foreign_chat(backend: Backend, msgs: list[dict], budget: int) -> PreparedChat:
-    """The file's own template; the oldest non-system messages are dropped until the prompt fits (a
-    reply left leading goes too: many templates insist that a conversation starts with the user)."""
-    kept, dropped = list(msgs), 0
-    while True:
-        ids, stop = _foreign_ids(backend, kept)
-        if len(ids) <= budget:
-            return PreparedChat(ids, kept, dropped, backend.n_ctx, stop, getattr(backend, "chat_notice", None))
-        oldest = _oldest_turn(kept)
-        if oldest is None:  # only the last message (and any system prompt) is left
-            raise _too_long(backend, len(ids), budget)
-        del kept[oldest]
-        dropped += 1
-        while (i := _oldest_turn(kept)) is not None and kept[i]["role"] == "assistant":
-            del kept[i]
-            dropped += 1
+    """The file's own template; the oldest non-system messages are dropped, step by step, until the
+    prompt fits. A template is opaque (no per-message lengths), so the first step that fits is found by
+    bisection, O(n log n) renders' worth instead of one render per dropped turn: the prompt only shrinks
+    as turns go, so it is the step the one-by-one definition stops at."""
+    droppable, cuts = _drop_cuts(msgs)
+
+    def at(step: int) -> tuple[list[dict], list[int], tuple[str, ...]]:
+        gone = set(droppable[:cuts[step]])
+        kept = [m for i, m in enumerate(msgs) if i not in gone]
+        return (kept, *_foreign_ids(backend, kept))
+
+    def done(step: int, kept: list[dict], ids: list[int], stop: tuple[str, ...]) -> PreparedChat:
+        return PreparedChat(ids, kept, cuts[step], backend.n_ctx, stop, getattr(backend, "chat_notice", None))
+
+    first = at(0)
+    if len(first[1]) <= budget:
+        return done(0, *first)
+    last = len(cuts) - 1
+    tail = at(last)
+    if len(tail[1]) > budget:  # only the last message (and any system prompt) is left
+        raise _too_long(backend, len(tail[1]), budget)
+    lo, hi, best = 0, last, tail  # step lo does not fit, step hi does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = at(mid)
+        if len(got[1]) <= budget:
+            hi, best = mid, got
+        else:
+            lo = mid
+    return done(hi, *best)
 
 
 def prepare_chat(backend: Backend, messages: Sequence[dict], params: SamplingParams) -> PreparedChat:
@@ -204,9 +230,8 @@ def completion_stream(backend: Backend, prompt: str, params: SamplingParams,
 class ChatSession:
     """A conversation kept across turns (the terminal chat). Dropped turns stay dropped."""
 
-    def __init__(self, backend: Backend, system: str | None = None, lock: threading.Lock | None = None):
-        self.backend = backend
-        self.lock = lock
+    def __init__(self, backend: Backend, system: str | None = None):
+        self.backend = backend  # the terminal's own: one consumer, so no lock
         self.system = system
         self.messages: list[dict] = []
         self.reset()
@@ -216,8 +241,7 @@ class ChatSession:
 
     def ask(self, text: str, params: SamplingParams) -> tuple[PreparedChat, TextStream]:
         """Start a reply to `text`. Iterate the stream, then call `commit(stream)` to keep the turn."""
-        prepared, stream = chat_stream(self.backend, [*self.messages, {"role": "user", "content": text}],
-                                       params, self.lock)
+        prepared, stream = chat_stream(self.backend, [*self.messages, {"role": "user", "content": text}], params)
         self._pending = prepared.messages
         return prepared, stream
 

@@ -11,9 +11,12 @@ that takes only a port (Gradio, in demo/) closes it just before it binds the sam
 Exposure limits: the request body is capped (413), max_tokens is capped (400), and every client
 mistake (invalid UTF-8 or JSON, a bad sampling parameter, a prompt longer than the context) is a
 400 with a one-line message in OpenAI's error shape. One generation runs at a time per backend
-(llama.cpp contexts are not re-entrant); other requests wait their turn, counted by a
-`GenerationProbe` (`app.state.generations`, also in /health). A client that hangs up mid-stream ends
-its generation: the stream is closed, which closes the backend's token loop.
+(llama.cpp contexts are not re-entrant), on the app's one generation thread (serving.scheduler, the
+only place that decides whose turn it is); other requests wait their turn in a bounded queue without
+holding a thread (`ServerConfig.max_waiting` of them, each at most `wait_s`), and beyond that get a
+503 with Retry-After. Generations are counted by a `GenerationProbe` (`app.state.generations`, also
+in /health). A client that hangs up frees its place in the queue, or ends its generation at the next
+token; one that hangs up mid-body is one log line.
 
 The routes are serving.http_routes' (one `Routes` per app); what a request body may say is checked
 by serving.http_requests.
@@ -21,15 +24,17 @@ by serving.http_requests.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
-import threading
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
 from serving.backend import Backend, ServingError
 from serving.http_requests import RequestError, ServerConfig
-from serving.http_routes import Routes, request_error, value_error
+from serving.http_routes import Routes, busy, client_gone, request_error, value_error
+from serving.scheduler import Busy, ClientGone, Scheduler
 from serving.text_stream import GenerationProbe
 from training.schema import Port, SchemaError, parse
 
@@ -87,15 +92,25 @@ def bound_port(sock: socket.socket) -> int:
     return sock.getsockname()[1]
 
 
-def create_app(backend: Backend, config: ServerConfig | None = None, lock: threading.Lock | None = None) -> FastAPI:
-    """The app over `backend`: its routes share one generation lock (given, or the app's own) and one
-    GenerationProbe (`app.state.generations`, counted under the lock: at most one active generation)."""
-    routes = Routes(backend, config or ServerConfig(model_id=backend.name), lock or threading.Lock(),
-                    GenerationProbe())
-    app = FastAPI(title="prodip", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.generations = routes.probe
+def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
+    """The app over `backend`: its routes share one Scheduler (one generation thread, a bounded queue)
+    and its GenerationProbe (`app.state.generations`: at most one active generation)."""
+    cfg = config or ServerConfig(model_id=backend.name)
+    scheduler = Scheduler(GenerationProbe(), max_waiting=cfg.max_waiting, wait_s=cfg.wait_s)
+    routes = Routes(backend, cfg, scheduler)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        scheduler.close()  # the waiting requests are answered 503, the running generation ends
+
+    app = FastAPI(title="prodip", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.generations = scheduler.probe
+    app.state.scheduler = scheduler
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(ValueError, value_error)
+    app.add_exception_handler(Busy, busy)
+    app.add_exception_handler(ClientGone, client_gone)
     app.get("/health")(routes.health)
     app.get("/v1/models")(routes.models)
     app.post("/v1/chat/completions")(routes.chat_completions)

@@ -1,7 +1,10 @@
 """What an OpenAI-style request body may say, checked before anything runs (serving.http's routes
 read bodies through here): the body is capped (413), max_tokens is capped (400), and every client
-mistake (invalid UTF-8 or JSON, a misspelt field, a bad sampling parameter) is a RequestError with a
-one-line message; sampling fields are checked against the schema types the CLI flags use.
+mistake (invalid UTF-8 or JSON, a misspelt field at the top level, inside a message or inside
+stream_options, a field of the wrong type, a bad sampling parameter) is a RequestError with a one-line
+message; sampling fields are checked against the schema types the CLI flags use, and the fields that
+change nothing (model, user, metadata, store, stream_options) are type-checked all the same. A client
+that hangs up while sending its body is serving.scheduler.ClientGone (one log line).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from serving.backend import (
     MaxNewTokens,
@@ -21,6 +25,8 @@ from serving.backend import (
     TopK,
     TopP,
 )
+from serving.scheduler import DEFAULT_MAX_WAITING, DEFAULT_WAIT_S, ClientGone
+from training.chat import ROLES
 from training.records import JSONBoundError, loads
 from training.schema import SchemaError, check, reject_unknown
 
@@ -34,6 +40,10 @@ SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_k"
                    "repeat_penalty", "seed", "stop", "stream")
 CHAT_FIELDS, COMPLETION_FIELDS = ("messages",), ("prompt",)
 IGNORED_FIELDS = ("model", "user", "stream_options", "metadata", "store")  # labels: they change no output
+MESSAGE_FIELDS, PART_FIELDS, STREAM_OPTIONS = ("role", "content"), ("type", "text"), ("include_usage",)
+MESSAGE_KEYS = frozenset(MESSAGE_FIELDS)
+MAX_LABEL_CHARS = 512  # model, user, a metadata value (OpenAI's limit for metadata values)
+MAX_METADATA = (16, 64)  # pairs, characters of a key: OpenAI's limits
 NOOP_AT = {"n": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
            "logprobs": (None, False), "echo": (None, False), "best_of": (None, 1)}  # allowed only at these
 
@@ -51,19 +61,31 @@ class ServerConfig:
     model_id: str
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    max_waiting: int = DEFAULT_MAX_WAITING  # requests that may wait for the model; more get a 503
+    wait_s: float = DEFAULT_WAIT_S  # the longest a request waits for its turn before a 503
 
 
-async def read_json(request: Request, limit: int) -> dict:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes (413 beyond); ClientGone when the client hangs up mid-body."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"request body is {declared} bytes; the limit is {limit}", 413)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestError(f"request body exceeds the {limit}-byte limit", 413)
     try:
-        text = bytes(body).decode("utf-8")
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestError(f"request body exceeds the {limit}-byte limit", 413)
+    except ClientDisconnect:
+        raise ClientGone(f"the client disconnected while sending the request body ({len(body)} bytes "
+                         "received)") from None
+    return bytes(body)
+
+
+def parse_body(raw: bytes) -> dict:
+    """A body as a JSON object (a 1 MiB body takes ~1 s of CPU here: called off the event loop)."""
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RequestError(f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
@@ -98,16 +120,53 @@ def _field(body: dict, key: str, type_: object, default: object) -> object:
         raise RequestError(str(e)) from None
 
 
+def _known(kind: str, obj: dict, known: tuple[str, ...], where: str = "") -> None:
+    try:
+        reject_unknown(kind, obj, known, where)
+    except SchemaError as e:
+        raise RequestError(str(e)) from None
+
+
+def _label(v: object, name: str) -> None:
+    if len(_text(v, name)) > MAX_LABEL_CHARS:
+        raise RequestError(f"{name} is limited to {MAX_LABEL_CHARS} characters")
+
+
+def check_labels(body: dict) -> None:
+    """The fields that change no output still have OpenAI's types (null: absent)."""
+    for key in ("model", "user"):
+        if body.get(key) is not None:
+            _label(body[key], key)
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise RequestError("store must be true or false")
+    meta = body.get("metadata")
+    if meta is not None:
+        pairs, key_chars = MAX_METADATA
+        if not isinstance(meta, dict) or len(meta) > pairs:
+            raise RequestError(f"metadata must be an object of at most {pairs} string values")
+        for k, v in meta.items():
+            if len(_text(k, "metadata key")) > key_chars:
+                raise RequestError(f"metadata keys are limited to {key_chars} characters")
+            _label(v, f"metadata[{json.dumps(k, ensure_ascii=False)}]")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise RequestError("stream_options must be an object")
+        _known("field", opts, STREAM_OPTIONS, "stream_options")
+        if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
+            raise RequestError("stream_options.include_usage must be true or false")
+        if body.get("stream") is not True:
+            raise RequestError("stream_options is only allowed with stream: true")
+
+
 def check_fields(body: dict, endpoint_fields: tuple[str, ...]) -> None:
     """Refuse a misspelt or unsupported field (nearest name suggested) instead of ignoring it; OpenAI's
-    fields that change nothing here are accepted at their no-op value only."""
+    fields that change nothing here are accepted at their no-op value only, and with their types."""
     for key, noop in NOOP_AT.items():
         if body.get(key) not in noop:
             raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[-1])}")
-    try:
-        reject_unknown("field", body, (*endpoint_fields, *SAMPLING_FIELDS, *IGNORED_FIELDS, *NOOP_AT))
-    except SchemaError as e:
-        raise RequestError(str(e)) from None
+    _known("field", body, (*endpoint_fields, *SAMPLING_FIELDS, *IGNORED_FIELDS, *NOOP_AT))
+    check_labels(body)
 
 
 def sampling_from_body(body: dict, cap: int) -> SamplingParams:
@@ -159,12 +218,18 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise RequestError(f"messages[{i}] must be an object")
+        if not m.keys() <= MESSAGE_KEYS:  # a dropped key would change the reply unseen
+            _known("field", m, MESSAGE_FIELDS, f"messages[{i}]")
+        if m.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text parts only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are supported")
+            for j, p in enumerate(content):
+                _known("field", p, PART_FIELDS, f"messages[{i}].content[{j}]")
             content = "".join(_text(p.get("text"), f"messages[{i}].content") for p in content)
-        out.append({"role": m.get("role"), "content": _text(content, f"messages[{i}].content")})
+        out.append({"role": m["role"], "content": _text(content, f"messages[{i}].content")})
     return out
 
 

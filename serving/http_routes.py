@@ -1,20 +1,22 @@
 """The route handlers of serving.http's app: /health, /v1/models, /v1/chat/completions and
-/v1/completions (JSON or SSE streaming), each a method of one `Routes` holding the app's backend,
-its generation lock and its GenerationProbe. Bodies are read and checked by serving.http_requests;
-one generation runs at a time (the lock, held by the TextStream for its whole generation); a client
-that hangs up mid-stream closes the stream, which closes the backend's token loop.
+/v1/completions (JSON or SSE streaming), each a method of one `Routes` holding the app's backend and
+its serving.scheduler.Scheduler, the one owner of the model: a request's prompt is prepared and its
+reply generated on the scheduler's generation thread, and the handler awaits the pieces on the event
+loop (no request thread ever waits for the model). Bodies are read and checked by serving.http_requests;
+a full queue, or a turn that does not come in time, is a 503 with Retry-After; a client that hangs up
+frees its place in the queue or stops its generation at the next token.
 """
 
 from __future__ import annotations
 
 import json
-import threading
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import anyio
+import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,13 +30,17 @@ from serving.http_requests import (
     chat_messages,
     check_fields,
     completion_prompt,
-    read_json,
+    parse_body,
+    read_body,
     sampling_from_body,
     stream_flag,
 )
-from serving.text_stream import GenerationProbe, GenerationStats
+from serving.scheduler import Busy, ClientGone, Job, Scheduler
+from serving.text_stream import GenerationProbe, GenerationStats, TextStream
 
 SSE_DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
+log = logging.getLogger("uvicorn.error")  # the server's own log, formatted as uvicorn's lines
 
 
 def error_body(message: str, status: int) -> JSONResponse:
@@ -52,6 +58,25 @@ async def value_error(_: Request, e: ValueError) -> JSONResponse:
     return error_body(str(e), 400)
 
 
+async def busy(_: Request, e: Busy) -> JSONResponse:
+    """No turn for the request now: 503, and when to try again."""
+    response = error_body(str(e), 503)
+    response.headers["Retry-After"] = str(e.retry_after)
+    return response
+
+
+def _gone(request: Request, e: ClientGone) -> None:
+    """A client that hung up: one log line, never a traceback."""
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    log.info("%s %s: %s", client, request.url.path, e)
+
+
+async def client_gone(request: Request, e: ClientGone) -> Response:
+    """A client that hung up before its answer started: one log line, and no body for nobody."""
+    _gone(request, e)
+    return Response(status_code=CLIENT_CLOSED)
+
+
 def _usage(stats: GenerationStats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "total_tokens": stats.prompt_tokens + stats.completion_tokens}
@@ -60,22 +85,6 @@ def _usage(stats: GenerationStats) -> dict:
 def _extras(stats: GenerationStats, dropped: int = 0, notice: str | None = None) -> dict:
     return {"dropped_messages": dropped, "notice": notice, "tokens_per_s": stats.tokens_per_s,
             "time_to_first_token_s": stats.time_to_first_token_s, "invalid_bytes": stats.invalid_bytes}
-
-
-async def _pull(gen: Iterator[str]) -> AsyncIterator[str]:
-    """Iterate a blocking generator off the event loop; close it (ending the generation, releasing its
-    lock) at the end. A client that hangs up cancels this task: the close is shielded, as an await in a
-    cancelled scope would otherwise raise before closing, leaving the model generating for nobody."""
-    done = object()
-    try:
-        while True:
-            item = await anyio.to_thread.run_sync(next, gen, done)
-            if item is done:
-                return
-            yield item
-    finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(gen.close)
 
 
 def _sse(obj: dict) -> str:
@@ -89,41 +98,74 @@ def _in_band_error(e: ValueError) -> str:
 
 @dataclass
 class Routes:
-    """The handlers of one app, over its backend; `probe` counts generations under `lock`."""
+    """The handlers of one app, over its backend; `scheduler` owns the generations (and their probe)."""
 
     backend: Backend
     cfg: ServerConfig
-    lock: threading.Lock
-    probe: GenerationProbe
+    scheduler: Scheduler
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def probe(self) -> GenerationProbe:
+        return self.scheduler.probe
 
     async def health(self) -> dict:
         return {"status": "ok", "backend": self.backend.name, "model": self.cfg.model_id, "n_ctx": self.backend.n_ctx,
-                "generations": self.probe.snapshot()}
+                "generations": self.probe.snapshot(), "max_waiting": self.scheduler.max_waiting}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "created": self.created,
                                             "owned_by": "prodip"}]}
 
-    def _locked(self, fn, *args):
-        with self.lock:
-            return fn(*args)
-
     async def _parse(self, request: Request, fields, what):
-        """One body read and checked: (what(body), its sampling params, stream mode, arrival time)."""
-        body = await read_json(request, self.cfg.max_body_bytes)
-        check_fields(body, fields)
-        payload = what(body)
-        return payload, sampling_from_body(body, self.cfg.max_tokens_cap), stream_flag(body), time.perf_counter()
+        """One body read and checked: (what(body), its sampling params, stream mode, arrival time). The
+        checks run on a worker thread (CPU only, they wait for nothing): a 1 MiB body of 30,000 messages
+        takes ~1 s to parse and check, which would stall every stream on the event loop."""
+        arrived = time.perf_counter()
+        raw = await read_body(request, self.cfg.max_body_bytes)
+
+        def check() -> tuple:
+            body = parse_body(raw)
+            check_fields(body, fields)
+            payload = what(body)
+            return payload, sampling_from_body(body, self.cfg.max_tokens_cap), stream_flag(body)
+
+        return (*await anyio.to_thread.run_sync(check), arrived)
+
+    async def _start(self, request: Request, work, arrived: float):
+        """Queue `work` (prepare a prompt, return (payload, TextStream)) and wait for its turn."""
+        job = self.scheduler.submit(work, arrived)
+        return job, await self.scheduler.start(job, request.is_disconnected)
+
+    async def _whole(self, request: Request, job: Job) -> str:
+        """A non-streamed reply, gathered while the client stays (a hang-up stops the generation)."""
+        return "".join([piece async for piece in self.scheduler.pieces(job, request.is_disconnected)])
+
+    async def _streamed(self, request: Request, job: Job) -> AsyncIterator[str]:
+        """A streamed reply's pieces. A hang-up (noticed here, or the server cancelling the response)
+        ends the stream quietly: the headers are gone, so no handler can answer it; one log line."""
+        gone: str | None = "the client disconnected mid-stream"
+        try:
+            async for piece in self.scheduler.pieces(job, request.is_disconnected):
+                yield piece
+            gone = None
+        except ClientGone as e:
+            gone = str(e)
+        except ValueError:  # the model's mistake, reported in-band by the caller
+            gone = None
+            raise
+        finally:
+            if gone:
+                _gone(request, ClientGone(gone))
 
     async def chat_completions(self, request: Request) -> Response:
         messages, params, stream_mode, arrived = await self._parse(request, CHAT_FIELDS, chat_messages)
-        prepared, stream = await anyio.to_thread.run_sync(self._locked, chat_stream, self.backend, messages, params)
-        stream.lock, stream.probe, stream.stats.queued_at = self.lock, self.probe, arrived
+        job, prepared = await self._start(request, lambda: chat_stream(self.backend, messages, params), arrived)
+        stream: TextStream = job.stream
         rid, now, model_id = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.cfg.model_id
         headers = {"X-Prodip-Dropped-Messages": str(prepared.dropped)}
         if not stream_mode:
-            text = await anyio.to_thread.run_sync(lambda: "".join(stream))
+            text = await self._whole(request, job)
             return JSONResponse({
                 "id": rid, "object": "chat.completion", "created": now, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -138,7 +180,7 @@ class Routes:
         async def events() -> AsyncIterator[str]:
             yield _sse(chunk({"role": "assistant", "content": ""}))
             try:
-                async for piece in _pull(iter(stream)):
+                async for piece in self._streamed(request, job):
                     yield _sse(chunk({"content": piece}))
             except ValueError as e:
                 yield _in_band_error(e)
@@ -153,8 +195,8 @@ class Routes:
 
     async def completions(self, request: Request) -> Response:
         prompt, params, stream_mode, arrived = await self._parse(request, COMPLETION_FIELDS, completion_prompt)
-        stream = await anyio.to_thread.run_sync(self._locked, completion_stream, self.backend, prompt, params)
-        stream.lock, stream.probe, stream.stats.queued_at = self.lock, self.probe, arrived
+        job, _ = await self._start(request, lambda: (None, completion_stream(self.backend, prompt, params)), arrived)
+        stream: TextStream = job.stream
         rid, now, model_id = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.cfg.model_id
 
         def choice(text: str, finish: str | None) -> dict:
@@ -162,15 +204,14 @@ class Routes:
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         if not stream_mode:
-            text = await anyio.to_thread.run_sync(lambda: "".join(stream))
-            out = choice(text, stream.stats.finish_reason)
+            out = choice(await self._whole(request, job), stream.stats.finish_reason)
             out["usage"] = _usage(stream.stats)
             out["prodip"] = _extras(stream.stats)
             return JSONResponse(out)
 
         async def events() -> AsyncIterator[str]:
             try:
-                async for piece in _pull(iter(stream)):
+                async for piece in self._streamed(request, job):
                     yield _sse(choice(piece, None))
             except ValueError as e:
                 yield _in_band_error(e)

@@ -147,7 +147,8 @@ def _type_label(path: Path) -> str:
 
 class LlamaCppBackend:
     def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, threads: int | None = None,
-                 kv_f32: bool | None = None, n_batch: int = 512, seed: int = 0, verbose: bool = False):
+                 kv_f32: bool | None = None, n_batch: int = 512, seed: int = 0, verbose: bool = False,
+                 lora: str | os.PathLike | None = None, lora_scale: float = 1.0):
         """`n_ctx` None: the trained context (foreign files: at most FOREIGN_MAX_CTX); `kv_f32` None: an
         F32 KV cache for prodip files (parity), llama.cpp's F16 for others; `seed`: the sampling seed of
         requests that give none, until one does (then theirs, as llama-cpp-python's set_seed)."""
@@ -167,6 +168,12 @@ class LlamaCppBackend:
         self._seed = seed
         self._batch = None  # the all-logits batch (logits()), made on first use
         self._step = None  # the one-token batch of the decode loop, made on first use
+        if lora is not None:  # a LoRA GGUF applied at run time (llama.cpp's --lora); checked against the base first
+            from serving.llamacpp_lora import check_adapter
+
+            kv.update(lora_path=str(check_adapter(self.path, lora, lora_scale)), lora_scale=float(lora_scale))
+            if (tuned := read_gguf_info(Path(lora)).chat_tuned) is not None:  # an SFT adapter on a base model
+                self.chat_tuned = tuned
         self.llm = open_llama(self.path, self.info.arch, n_ctx=n_ctx or 0, n_threads=threads,
                               n_threads_batch=threads, n_batch=n_batch, logits_all=False, seed=seed,
                               verbose=verbose, **kv)
@@ -174,7 +181,7 @@ class LlamaCppBackend:
         # (the trained context when n_ctx=0): past that they overflow, so that is the usable context
         self.n_ctx = min(self.llm.n_ctx(), self.llm.context_params.n_ctx)
         self.n_vocab = self.llm.n_vocab()
-        self.name = f"llama.cpp-{_type_label(self.path)}"
+        self.name = f"llama.cpp-{_type_label(self.path)}" + ("+lora" if lora is not None else "")
         self.chat_notice: str | None = None  # set when chats fall back to plain completion
         self._formatter = None  # a foreign file's chat template (llama-cpp-python's Jinja2ChatFormatter)
         try:

@@ -4,8 +4,10 @@
 over the tokens' bytes (`bytes_decoder`): incomplete UTF-8 is held back until it completes, a byte
 sequence that never becomes UTF-8 is dropped and counted (`stats.invalid_bytes`), so no U+FFFD is
 ever shown; stop strings end the reply (and are never shown, not even in part), timing is recorded.
-`GenerationProbe` counts generations as they wait for and hold a generation lock. What the prompt is
-(a conversation fitted to the context, a completion) is serving.chat_session's.
+`cancel()` ends a stream at its next token (from any thread), recorded as finish_reason "cancelled".
+`GenerationProbe` counts generations as they wait for their turn and run (the HTTP server's
+serving.scheduler, or a caller's `lock`). What the prompt is (a conversation fitted to the context, a
+completion) is serving.chat_session's.
 """
 
 from __future__ import annotations
@@ -86,24 +88,35 @@ def _held_tail(text: str, stops: Sequence[str]) -> int:
 
 
 class GenerationProbe:
-    """Counts generations as they wait for and hold the generation lock: the server's record of its
-    one-at-a-time and stop-on-disconnect guarantees (the HTTP tests read it; /health reports it)."""
+    """Counts generations as they wait for their turn and run: the server's record of its one-at-a-time,
+    bounded-queue and stop-on-disconnect guarantees (the HTTP tests read it; /health reports it)."""
 
     def __init__(self) -> None:
         self._mu = threading.Lock()
         self.waiting = self.active = self.peak_waiting = self.peak_active = self.started = self.finished = 0
+        self.refused = 0  # requests answered 503: the queue was full, or their turn did not come in time
         self.recent: deque[GenerationStats] = deque(maxlen=RECENT_STATS)  # bounded: a server runs for days
 
-    @contextlib.contextmanager
-    def queued(self) -> Iterator[None]:
+    def wait_begin(self) -> None:
         with self._mu:
             self.waiting += 1
             self.peak_waiting = max(self.peak_waiting, self.waiting)
+
+    def wait_end(self) -> None:
+        with self._mu:
+            self.waiting -= 1
+
+    def refuse(self) -> None:
+        with self._mu:
+            self.refused += 1
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        self.wait_begin()
         try:
             yield
         finally:
-            with self._mu:
-                self.waiting -= 1
+            self.wait_end()
 
     @contextlib.contextmanager
     def running(self, stats: GenerationStats) -> Iterator[None]:
@@ -122,13 +135,15 @@ class GenerationProbe:
     def snapshot(self) -> dict:
         with self._mu:
             return {"waiting": self.waiting, "active": self.active, "peak_waiting": self.peak_waiting,
-                    "peak_active": self.peak_active, "started": self.started, "finished": self.finished}
+                    "peak_active": self.peak_active, "started": self.started, "finished": self.finished,
+                    "refused": self.refused}
 
 
 @dataclass
 class TextStream:
-    """Iterate for text pieces; `stats` is complete once iteration ends. `lock` (if given) is held
-    for the whole generation: llama.cpp contexts must not run two generations at once."""
+    """Iterate for text pieces; `stats` is complete once iteration ends. `lock` (if given) is held for
+    the whole generation, for a caller whose consumers each have a thread of their own (the demo: Gradio
+    bounds them); the HTTP server passes none: its scheduler runs every stream on one thread."""
 
     backend: Backend
     ids: list[int]
@@ -137,6 +152,11 @@ class TextStream:
     probe: GenerationProbe | None = None
     stats: GenerationStats = field(init=False)
     text: str = field(init=False, default="")
+    _cancelled: threading.Event = field(init=False, default_factory=threading.Event, repr=False)
+
+    def cancel(self) -> None:
+        """End the generation at its next token (safe from another thread); finish_reason "cancelled"."""
+        self._cancelled.set()
 
     def __post_init__(self) -> None:
         self.params = self.params.validate()
@@ -146,8 +166,8 @@ class TextStream:
         probe = self.probe or GenerationProbe()
         if self.stats.queued_at is None:  # a server sets it when the request arrived
             self.stats.queued_at = time.perf_counter()
-        with probe.queued():
-            if self.lock is not None:
+        if self.lock is not None:
+            with probe.queued():
                 self.lock.acquire()
         self.stats.started_at = time.perf_counter()
         try:
@@ -168,6 +188,9 @@ class TextStream:
         tokens = self.backend.generate(self.ids, self.params)
         try:
             for tid in tokens:
+                if self._cancelled.is_set():  # checked per token: a hung-up client costs at most one more
+                    finish = "cancelled"
+                    break
                 if not gen:
                     self.stats.time_to_first_token_s = time.perf_counter() - t0
                 gen.append(tid)

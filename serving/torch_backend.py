@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from serving.backend import SamplingParams, ServingError, sample_next
-from training.checkpoint import CheckpointError, load_model
+from training.checkpoint import TOKENIZER_FILE, CheckpointError, load_model, resolve
 from training.decode import decode
 from training.model import Transformer
 from training.tokenizer import Tokenizer
@@ -33,11 +33,19 @@ class TorchBackend:
 
     def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, step: int | None = None):
         set_threads(threads)
+        # an adapter run (sft.py --lora-rank): its base with the adapter applied
+        from training import lora_run
+
         try:
-            model, self.checkpoint = load_model(path, step=step, device=device)
+            if lora_run.is_adapter_run(path):
+                model, _ = lora_run.load_adapted(path, step, device=device)
+                self.checkpoint, tok = None, Tokenizer.load(resolve(path, step) / TOKENIZER_FILE)
+            else:
+                model, self.checkpoint = load_model(path, step=step, device=device)
+                tok = self.checkpoint.tokenizer
         except CheckpointError as e:
             raise ServingError(str(e)) from None
-        self._bind(model, self.checkpoint.tokenizer, Path(path))
+        self._bind(model, tok, Path(path))
 
     @classmethod
     def from_model(cls, model: Transformer, tokenizer: Tokenizer, *, name: str = "torch",

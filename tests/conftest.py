@@ -100,17 +100,32 @@ def skip_allowed_in_ci(nodeid: str, reason: str, allowed: dict[str, str]) -> boo
     return OPT_IN in reason and any(fnmatch.fnmatchcase(nodeid, p) for p in allowed)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Under CI=true a skip fails, unless the test is on tests/skips_allowed.txt with an opt-in reason."""
-    outcome = yield
-    rep = outcome.get_result()
+def forbid_unlisted_skip(rep: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under CI=true a skip report becomes a failure, unless its node is on tests/skips_allowed.txt and its
+    reason is an opt-in one. A skipped test fails; a skipped module (collection) is a collection error."""
     if IN_CI and rep.skipped and not hasattr(rep, "wasxfail"):
         reason = str(rep.longrepr[2]) if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        if not skip_allowed_in_ci(item.nodeid, reason, allowed_skips()):
+        if not skip_allowed_in_ci(rep.nodeid, reason, allowed_skips()):
             rep.outcome = "failed"
             rep.longrepr = (f"CI=true forbids this skip (only tests on tests/{ALLOWED_SKIPS_FILE.name} may skip, "
                             f"with an '{OPT_IN} ...' reason): {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip inside a test (its body, a fixture, a skip mark)."""
+    outcome = yield
+    forbid_unlisted_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A skip while a module is imported or collected (a module-level `pytest.importorskip`, or
+    `pytest.skip(allow_module_level=True)`): the whole module is gone from the run, and no test report
+    would ever say so. Its node id is the module's (tests/test_x.py), so only a module named on the
+    allow-list, with an opt-in reason, may skip that way."""
+    outcome = yield
+    forbid_unlisted_skip(outcome.get_result())
 
 
 @pytest.fixture(scope="session")
@@ -228,11 +243,11 @@ def pytest_configure(config) -> None:
 # ran last on one worker while the other sat idle. Stale figures only cost time, never a result.
 SLOW_MODULES = {"test_distributed": 98, "test_quickstart": 62, "test_sft": 56, "test_browser": 56,
                 "test_remote_nodes": 48, "test_remote": 43, "test_preemption": 36, "test_gpu_validate": 28,
-                "test_sharded_checkpoint": 27, "test_remote_export": 27, "test_prepare": 25, "test_train": 21,
+                "test_sharded_checkpoint": 27, "test_remote_export": 27, "test_prepare": 25, "test_train": 21, "test_lora": 20,
                 "test_gates": 18, "test_preloaded": 16, "test_init_from": 16, "test_mutation_bench": 16,
-                "test_distributed_plants": 14, "test_hostile_inputs": 13, "test_crash_safety": 12,
+                "test_distributed_plants": 14, "test_hostile_inputs": 13, "test_prepare_executors": 18, "test_crash_safety": 12,
                 "test_evaluate": 12, "test_lm_eval": 11, "test_imatrix": 11, "test_plan": 10, "test_any_gguf": 9,
-                "test_parity": 8}
+                "test_parity": 8, "test_gpu_path": 30, "test_http_load": 12}
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -23,8 +23,9 @@ from conftest import REPO
 from fixtures_serve import (
     BN_QUESTION,
 )
+from test_serving_torch import assert_wellformed_bangla, reference_reply
 
-from demo.app import COMPARE_TAB, TOKENS_TAB
+from demo.app import COMPARE_TAB, DEFAULT_MAX_TOKENS, TOKENS_TAB
 from training.text import script_counts
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -119,7 +120,18 @@ def keep(shot: Path) -> None:
         shutil.copy(shot, ARTIFACTS / shot.name)
 
 
-def test_browser_chat_in_bangla(demo_url, tmp_path):
+def set_greedy(page) -> None:
+    """The sampling panel as a user sets it for a reproducible reply: temperature 0, no repetition penalty."""
+    page.get_by_text("নমুনায়ন (sampling)").click()
+    for label, value in (("তাপমাত্রা (temperature, 0 = নির্ধারিত)", "0"), ("পুনরাবৃত্তি দণ্ড (repetition penalty)", "1")):
+        field = page.get_by_label(f"number input for {label}")
+        field.fill(value)
+        field.press("Tab")  # the slider takes the typed value on blur
+
+
+def test_browser_chat_in_bangla(demo_url, serve_run, tmp_path):  # noqa: F811
+    """The reply on the page is the reference backend's greedy reply (temperature 0 set in the page's own
+    controls), and well-formed Bangla."""
     from playwright.sync_api import sync_playwright
 
     shot = tmp_path / "demo-chat.png"
@@ -132,6 +144,7 @@ def test_browser_chat_in_bangla(demo_url, tmp_path):
             box.wait_for(timeout=REPLY_TIMEOUT_MS)
             assert "বাংলা" in page.title() or "প্রদীপ" in page.title()
             assert "বাংলায়" in (box.get_attribute("placeholder") or "")
+            set_greedy(page)
             box.fill(BN_QUESTION)
             box.press("Enter")
             page.locator("#status").get_by_text(SPEED_MARK).wait_for(timeout=REPLY_TIMEOUT_MS)
@@ -144,8 +157,9 @@ def test_browser_chat_in_bangla(demo_url, tmp_path):
         finally:
             browser.close()
     assert BN_QUESTION in chat
-    reply = chat.split(BN_QUESTION, 1)[1]
-    assert script_counts(reply).get("bn", 0) > 0, f"no Bangla reply on the page: {chat!r}"
+    reply = chat.split(BN_QUESTION, 1)[1].strip()
+    assert reply == reference_reply(serve_run, BN_QUESTION, DEFAULT_MAX_TOKENS).strip(), f"page: {chat!r}"
+    assert_wellformed_bangla(reply)
     assert "tokens trained" in card and "held-out bits/byte" in card and "prodip" in card
     assert "(answered by) torch" in status, status  # the runtime that answered (serve_run: a PyTorch checkpoint)
     keep(shot)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import preloaded
 import pytest
 from conftest import ALLOWED_SKIPS_FILE, OPT_IN, REPO, allowed_skips, skip_allowed_in_ci
 
@@ -29,6 +31,8 @@ def test_every_allowed_pattern_names_a_real_test_and_says_why():
     for pattern, why in allowed.items():
         path, _, name = pattern.partition("::")
         assert why and (REPO / path).is_file(), pattern
+        if not name:  # a whole module, allowed to skip at import (conftest.pytest_make_collect_report)
+            continue
         tree = ast.parse((REPO / path).read_text(encoding="utf-8"))
         func = name.split("[", 1)[0]
         tests = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
@@ -125,3 +129,70 @@ def test_an_unlisted_skip_fails_a_ci_run():
                         "tests/test_ci_skips.py::test_probe_skip"], capture_output=True, text=True, cwd=REPO, env=env,
                        timeout=300)
     assert p.returncode == 1 and "1 failed" in p.stdout and "CI=true forbids this skip" in p.stdout, p.stdout[-2000:]
+
+
+# A module that skips while it is imported: the test it holds never reaches pytest_runtest_makereport.
+MODULE_SKIPS = {
+    "importorskip": 'pytest.importorskip("prodip_no_such_module")',  # pytest's own reason: "could not import"
+    "skip": 'pytest.skip("no reason to run", allow_module_level=True)',
+    "opt_in_unlisted": 'pytest.importorskip("prodip_no_such_module", reason="opt-in: set PRODIP_X=1")',
+}
+LISTED = "tests/test_listed.py"  # the planted allow-list names this module (and nothing else)
+
+
+def plant(root: Path, modules: dict[str, str]) -> Path:
+    """root/tests/: a byte-identical copy of the project's conftest (its allow-list is read beside it), a
+    planted allow-list naming LISTED, and test modules {stem: the statement they run at import}."""
+    tests = root / "tests"
+    tests.mkdir()
+    shutil.copyfile(REPO / "tests" / "conftest.py", tests / "conftest.py")
+    (tests / ALLOWED_SKIPS_FILE.name).write_text(f"{LISTED}  # planted: a module that may skip at import\n",
+                                                 encoding="utf-8")
+    for stem, statement in modules.items():
+        (tests / f"{stem}.py").write_text(f"import pytest\n\n{statement}\n\n\ndef test_a():\n    pass\n",
+                                          encoding="utf-8")
+    return tests
+
+
+def child_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """pytest in `root` in a child (forked: tests/preloaded.py), CI=true, the project's fixture modules importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")} | {"CI": "true"}
+    return preloaded.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "--rootdir", str(root), "-o", f"pythonpath={REPO} {REPO / 'tests'}", *args],
+                         capture_output=True, text=True, cwd=root, env=env, timeout=300)
+
+
+def test_a_module_level_skip_fails_a_ci_run_unless_listed_and_opt_in(tmp_path):
+    """Import-time skips go through the same rule as in-test skips, in one CI=true run of planted modules:
+    each that skips at import without being listed fails the run by name (a collection error: its tests
+    are gone, so no test report could say so); the listed module with an opt-in reason skips, the plain
+    module passes (--continue-on-collection-errors: the run goes on past the errors, to show both)."""
+    unlisted = [f"test_{k}" for k in MODULE_SKIPS]
+    plant(tmp_path, {**{f"test_{k}": v for k, v in MODULE_SKIPS.items()},
+                     "test_listed": MODULE_SKIPS["opt_in_unlisted"], "test_plain": "X = 1"})
+    p = child_pytest(tmp_path, "--continue-on-collection-errors", "tests")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and re.search(rf"1 passed, 1 skipped, (\d+ warnings?, )?{len(unlisted)} errors", out), out[-3000:]
+    for m in unlisted:
+        assert f"ERROR collecting tests/{m}.py" in out, (m, out[-3000:])
+    assert out.count("CI=true forbids this skip") == len(unlisted), out[-3000:]
+    assert "SKIPPED [1] tests/test_listed.py:3: opt-in: set PRODIP_X=1" in out, out[-3000:]
+
+
+def _import_time_calls(node: ast.AST):
+    """The calls a module statement makes when the module is imported: not those inside a function or class."""
+    if isinstance(node, ast.Call):
+        yield node
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            yield from _import_time_calls(child)
+
+
+def test_no_module_skips_at_import_unless_listed():
+    """The same rule read from the source, on every clone (not only under CI=true): a test module whose
+    top level calls pytest.importorskip or pytest.skip is on the allow-list as a module."""
+    allowed = allowed_skips()
+    found = [f"tests/{path.name}:{c.lineno}" for path in sorted((REPO / "tests").glob("test_*.py"))
+             for c in _import_time_calls(ast.parse(path.read_text(encoding="utf-8")))
+             if ast.unparse(c.func) in ("pytest.importorskip", "pytest.skip")]
+    assert all(f.split(":")[0] in allowed for f in found), f"skips at import, not allow-listed as modules: {found}"

@@ -49,8 +49,12 @@ def test_compiled_training_matches_eager_saves_plain_names_and_resumes_exactly(g
     assert gates["compiled_vs_eager"]["passed"] and "torch.compile" in gates["compiled_vs_eager"]["detail"]
     want, got = _losses(eager), _losses(compiled)
     assert sorted(got) == list(range(1, STEPS + 1)) == sorted(want)
-    rtol = TOLERANCE["fp32"][0]
-    for s in want:  # measured: relative differences <= 5e-7 (step 1: 6.932535 compiled vs 6.932538 eager)
+    # the suite's own model, judged within ~3x of what it measures (#46 item 2): relative differences
+    # <= 5e-7 (step 1: 6.932535 compiled vs 6.932538 eager, 4.3e-7). The gate's product tolerance
+    # (TOLERANCE["fp32"], 1e-3, for any user's model and kernels) is 2,000x looser: it is checked above.
+    rtol = 1.5e-6
+    assert rtol < TOLERANCE["fp32"][0]
+    for s in want:
         assert abs(got[s] - want[s]) <= rtol * abs(want[s]), (s, got[s], want[s])
     with safe_open(ckpt.latest(compiled) / "model.safetensors", "pt") as f:
         names = set(f.keys())

@@ -11,6 +11,7 @@ import preloaded
 import pytest
 from conftest import REPO
 from fixtures_serve import BN_QUESTION
+from test_serving_torch import assert_wellformed_bangla, reference_reply
 
 from demo.app import (
     DEFAULT_HOST,
@@ -56,9 +57,12 @@ def client_for(url: str):
     return Client(url, verbose=False, download_files=False)
 
 
-def ask(url: str, label: str, message: str, history: list | None = None, max_tokens: int = 24, seed: int = 5):
-    """Submit one chat message; returns (every streamed update, the final update)."""
-    job = client_for(url).submit(message, history or [], label, max_tokens, 0.8, 40, 0.95, 1.1, seed, api_name="/chat")
+def ask(url: str, label: str, message: str, history: list | None = None, max_tokens: int = 24, seed: int = 5,
+        greedy: bool = False):
+    """Submit one chat message (sampled with `seed`, or greedy: temperature 0, no penalty); returns (every
+    streamed update, the final update)."""
+    sampling = (0.0, 0, 1.0, 1.0) if greedy else (0.8, 40, 0.95, 1.1)
+    job = client_for(url).submit(message, history or [], label, max_tokens, *sampling, seed, api_name="/chat")
     final = job.result(timeout=120)
     return job.outputs(), final
 
@@ -391,8 +395,9 @@ def test_closed_stream_frees_the_model(serve_run):  # noqa: F811
         assert lock.locked()
         gen.close()  # what gradio.utils.SyncToAsyncIterator.aclose does for a closed tab
         assert not lock.locked()
-        *_, final = respond(BN_QUESTION, [], label, 8, 0.0, 0, 1.0, 1.0, 0)
-        assert bn(final[1][-1]["content"]) > 0
+        *_, final = respond(BN_QUESTION, [], label, 8, 0.0, 0, 1.0, 1.0, 0)  # greedy: the reference's reply
+        assert final[1][-1]["content"] == reference_reply(serve_run, BN_QUESTION, 8)
+        assert_wellformed_bangla(final[1][-1]["content"], min_clusters=3)
     finally:
         pool.close()
 
@@ -407,8 +412,9 @@ def test_cancelled_client_leaves_the_demo_serving(demo):
     while not job.outputs() and time.time() - t0 < 60:
         time.sleep(0.02)
     job.cancel()
-    _, final = ask(url, entries[0].label, BN_QUESTION, max_tokens=8)  # another user, same model
-    assert bn(last_reply(final)) > 0
+    _, final = ask(url, entries[0].label, BN_QUESTION, max_tokens=8, greedy=True)  # another user, same model
+    assert last_reply(final) == reference_reply(entries[0].path, BN_QUESTION, 8)  # whole, as if never shared
+    assert_wellformed_bangla(last_reply(final), min_clusters=3)
 
 
 def test_cli_bad_host_busy_port_and_numbers(serve_run, capsys):  # noqa: F811

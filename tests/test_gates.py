@@ -36,6 +36,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import gates_plants as P
 import gates_runner
@@ -209,9 +210,28 @@ def test_low_mfu_fails_the_floor_where_enforced(gate_data):
     assert small.passed and "floor applies from 100 M params" in small.detail
 
 
-def test_time_steps_reports_medians(gate_data):
-    f, b, tokens = time_steps(make_ctx(gate_data), steps=2)
-    assert f > 0 and b > 0 and tokens == BATCH * SEQ
+def test_time_steps_reports_medians(gate_data, monkeypatch):
+    """The exact medians of the forward and backward times after the warm-up, on a clock the model itself
+    advances (each forward, and each backward as it starts, by a scripted amount): worked out by hand,
+    neither the mean, nor a median that counts the warm-up, nor forward and backward swapped."""
+    import training.gates.model as gm
+
+    clock = [0.0]
+    forward = [9.0, 1.0, 5.0, 2.0, 8.0]  # the warm-up's, then 4 steps': sorted 1 2 5 8, median (2 + 5) / 2 = 3.5
+    backward = [7.0, 4.0, 3.0, 6.0, 10.0]  # steps' sorted 3 4 6 10: median (4 + 6) / 2 = 5.0 (mean 5.75)
+
+    def advance(by: list[float]) -> None:
+        clock[0] += by.pop(0)
+
+    def on_forward(_module, _inputs, out):
+        advance(forward)
+        out[1].register_hook(lambda g: advance(backward))  # the loss's gradient: the first thing backward does
+
+    monkeypatch.setattr(gm, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    ctx = make_ctx(gate_data)
+    ctx.raw_model.register_forward_hook(on_forward)
+    f, b, tokens = time_steps(ctx, steps=4, warmup=1)
+    assert (f, b, tokens) == (3.5, 5.0, BATCH * SEQ) and forward == backward == []
 
 
 # --------------------------------------------------------------------------------------- data

@@ -46,15 +46,15 @@ def test_bad_flags_are_refused(argv: list[str], flag: str, capsys) -> None:
 
 
 def test_grad_accum_defaults_to_the_presets_recipe() -> None:
-    """#27 item 8: the timed run is the 400m recipe, 8 x 32 micro-batches of 2048 (0.5 M tokens per optimizer
-    step, training/presets/400m.toml); --grad-accum still overrides it."""
+    """#27 item 8: the timed run is the 400m recipe, 16 x 16 micro-batches of 2048 (#48: 0.5 M tokens per
+    optimizer step, training/presets/400m.toml); --grad-accum still overrides it."""
     a = gv.parse_args([])
-    assert (a.preset, a.batch_size, a.grad_accum, a.seq_len) == ("400m", 8, 32, 2048)
+    assert (a.preset, a.batch_size, a.grad_accum, a.seq_len) == ("400m", 16, 16, 2048)
     assert a.grad_accum_from == "training/presets/400m.toml [train]" and a.eval_batches == 4
     assert gv.parse_args(["--grad-accum", "4"]).grad_accum == 4
     # "45% MFU by step 8": every step logged past step 8, and the timed steps at the 150 k tokens/s target
     # take a fraction of the 450 s budget (gates, compile and the later phases need the rest)
-    assert a.steps > 8 and a.steps * 8 * 32 * 2048 / 150_000 < gv.BUDGET_S / 4
+    assert a.steps > 8 and a.steps * 16 * 16 * 2048 / 150_000 < gv.BUDGET_S / 4
 
 
 def test_out_that_is_a_file_is_refused_before_any_phase(tmp_path: Path, capsys) -> None:

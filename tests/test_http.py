@@ -1,7 +1,8 @@
 """The OpenAI-compatible server: httpx against a real uvicorn on 127.0.0.1 (a free port).
 
-The server's own GenerationProbe (app.state.generations, counted under its generation lock) is what the
-one-at-a-time and stop-on-disconnect tests read: no mock, the real app's record of its generations."""
+The server's own GenerationProbe (app.state.generations, counted by its generation scheduler) is what the
+one-at-a-time and stop-on-disconnect tests read: no mock, the real app's record of its generations.
+(Load, the bounded queue and hang-ups: tests/test_http_load.py.)"""
 
 from __future__ import annotations
 
@@ -308,3 +309,61 @@ def test_cli_http_refuses_terminal_flags_by_name(serve_run, flag):  # noqa: F811
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith(f"error: {flag[0]} does not apply to --http"), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "serving on" not in p.stderr
+
+
+# --------------------------------------------------------------------- issue 42: field types, --system
+LABELS_OK = {"model": "any-name", "user": "u-1", "metadata": {"k": "v"}, "store": False}
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"model": 5}, "model"), ({"model": ["prodip"]}, "model"), ({"model": "m" * 600}, "model"),
+    ({"user": {"id": 1}}, "user"), ({"user": True}, "user"), ({"user": "\ud800"}, "user"),
+    ({"stream_options": "yes", "stream": True}, "stream_options"),
+    ({"stream_options": [True], "stream": True}, "stream_options"),
+    ({"stream_options": {"include_usage": "yes"}, "stream": True}, "include_usage"),
+    ({"stream_options": {"include_usag": True}, "stream": True}, "'include_usag'"),
+    ({"stream_options": {"include_usage": True}}, "stream: true"),
+    ({"metadata": "x"}, "metadata"), ({"metadata": {"k": 1}}, "metadata"), ({"metadata": [["k", "v"]]}, "metadata"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "16"), ({"metadata": {"k" * 65: "v"}}, "64"),
+    ({"store": "no"}, "store"), ({"store": 0}, "store"),
+])
+def test_label_fields_are_type_checked(client, extra, needle):
+    """Fields that change no output still have OpenAI's types: any other is a one-line 400 (a87fbb0: 200)."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "ক"}]}),
+                       ("/v1/completions", {"prompt": "ক"})):
+        raw = json.dumps({**body, "max_tokens": 2, **extra}).encode()  # ASCII: a lone surrogate as "\\ud800"
+        one_line_error(client.post(path, content=raw, headers={"content-type": "application/json"}), 400, needle)
+
+
+def test_label_fields_of_the_right_types_are_accepted(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ক"}], "max_tokens": 2,
+                                                  **LABELS_OK, "model": None})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={"prompt": "ক", "max_tokens": 2, "stream": True, **LABELS_OK,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+
+
+@pytest.mark.parametrize("message,needle", [
+    ({"role": "user", "content": "ক", "name": "bob"}, "messages[0]: unknown field 'name'"),
+    ({"role": "user", "content": "ক", "contnet": "x"}, "unknown field 'contnet'"),
+    ({"role": "user", "content": [{"type": "text", "text": "ক", "cache_control": {}}]}, "'cache_control'"),
+    ({"role": 5, "content": "ক"}, "role"), ({"role": ["user"], "content": "ক"}, "role"),
+])
+def test_unknown_keys_inside_a_message_are_refused(client, message, needle):
+    """Like an unknown top-level field: refused by name, never dropped (a87fbb0 dropped them: 200)."""
+    one_line_error(client.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 2}), 400, needle)
+
+
+@pytest.mark.parametrize("flags", [["--raw"], []])
+def test_system_prompt_is_never_dropped_by_a_completion(tiny_run, capsys, flags):
+    """A base model completes text, and --raw completes with any model: neither has a system prompt, so
+    --system is refused by name, one line, before anything is generated (a87fbb0: dropped silently)."""
+    from serving.__main__ import main
+
+    rc = main([str(tiny_run), "--prompt", "আমার সোনার বাংলা", "--system", "উত্তর দাও", "--max-tokens", "2", *flags])
+    captured = capsys.readouterr()
+    assert rc != 0 and captured.out == "", captured
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --system"), err
+    assert ("--raw" if flags else "--chat") in err[0], err

@@ -16,10 +16,9 @@ from pathlib import Path
 import preloaded
 import pytest
 import torch
+import transformers  # a dev dependency: absent, this module fails, never skips
 from conftest import REPO, run_train
 from fixtures_init_from import ADD, MODELS, SHAPE, TRAIN, save_llama, save_stock, stock_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 PARITY_TOL = 1e-4  # the bound (fp32, max |logit difference|); measured: 0.0 on CPU (the same ops in the same order)
 

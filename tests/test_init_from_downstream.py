@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401  (a dev dependency: absent, this module fails, never skips)
 from fixtures_export import shipped_texts
 from fixtures_init_from import EXT_STEPS, SHAPE
-
-transformers = pytest.importorskip("transformers")
 
 LN2 = 0.6931471805599453
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # a dev dependency: absent, this module fails, never skips
 
 from training.metrics import flops_per_token
 from training.model import PRESETS, Transformer, count_params, preset
-
-transformers = pytest.importorskip("transformers")
 
 HF_NAMES = [  # ours -> HF (the real map lives in export.names; this test must stay independent of it)
     ("tok_embeddings.", "model.embed_tokens."), ("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),

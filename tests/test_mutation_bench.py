@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 
@@ -23,3 +24,59 @@ def test_the_mutation_benchmark_judges_every_mutant_of_one_function(tmp_path: Pa
     assert "| killed |" in (out / "mutation.md").read_text()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # a report is never overwritten
     assert again.returncode == 2 and again.stderr.strip().startswith("error: --out"), again.stderr
+
+
+# ------------------------------------------------------------------- the tables, in-process (#46 item 3)
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_bench", REPO / "tests" / "benchmarks" / "mutation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+UNIQUE_NONE = ("-    val_all = np.unique(np.concatenate(per_row)) if per_row else np.empty(0, np.uint64)\n"
+               "+    val_all = np.unique(None) if per_row else np.empty(0, np.uint64)")
+ELSE_EMPTY = ("-    val_all = np.unique(np.concatenate(per_row)) if per_row else np.empty(0, np.uint64)\n"
+              "+    val_all = np.unique(np.concatenate(per_row)) if per_row else np.empty(0, None)")
+SPARE_KIND = ('-    return sorted({*DEFAULT_THRESHOLDS, "safetensors", "transformers", *(f"onnx-{v}" for v in VARIANT_FILES),\n'
+              '+    return sorted({*DEFAULT_THRESHOLDS, "XXsafetensorsXX", "transformers", *(f"onnx-{v}" for v in VARIANT_FILES),')
+
+
+def test_each_table_entry_is_one_exact_change() -> None:
+    m = _bench()
+    keys = [m.table_key(f, old, new) for f, old, new, _ in (*m.EQUIVALENT, *m.LEFT)]
+    assert len(keys) == len(set(keys)), [k for k in keys if keys.count(k) > 1]
+    assert all(why for *_, why in (*m.EQUIVALENT, *m.LEFT))
+
+
+def test_an_equivalent_is_matched_by_its_whole_change_only() -> None:
+    m = _bench()
+    name = "training.gates.data.x_train_val_disjoint__mutmut_{}"
+    # the dead else branch's dtype is equivalent; np.unique(None) on the same line blinds the overlap gate
+    assert m.equivalent(name.format(30), ELSE_EMPTY).startswith("per_row is never empty here")
+    assert m.equivalent(name.format(27), UNIQUE_NONE) == ""
+    assert m.equivalent(name.format(30), ELSE_EMPTY.replace("train_val_disjoint", "x")) != ""  # indentation aside
+    assert m.equivalent("training.gates.data.x_other__mutmut_1", ELSE_EMPTY) == ""  # another function
+    # the spare threshold kinds are not equivalent: parse_thresholds would accept them
+    assert m.equivalent("export.parity.x_threshold_kinds__mutmut_2", SPARE_KIND) == ""
+
+
+def test_an_entry_that_matches_two_mutants_stops_the_tool() -> None:
+    m = _bench()
+    name = "training.gates.data.x_train_val_disjoint__mutmut_{}"
+    m.check_entries({name.format(30): ELSE_EMPTY, name.format(27): UNIQUE_NONE})  # one each: fine
+    statuses = {name.format(30): "survived", name.format(31): "survived", name.format(1): "killed"}
+    with pytest.raises(m.ToolError, match=r"matches more than one mutant: train_val_disjoint .*mutmut_30, .*mutmut_31"):
+        m.report("gates-data", statuses, {name.format(30): ELSE_EMPTY, name.format(31): ELSE_EMPTY.replace("    ", "  ")}, 1.0)
+
+
+def test_the_report_counts_survivors_in_neither_table() -> None:
+    m = _bench()
+    name = "training.gates.data.x_train_val_disjoint__mutmut_{}"
+    r = m.report("gates-data", {name.format(30): "survived", name.format(27): "survived", name.format(1): "killed"},
+                 {name.format(30): ELSE_EMPTY, name.format(27): UNIQUE_NONE}, 1.0)
+    assert (r["mutants"], r["equivalent"], r["unexplained"]) == (3, 1, 1)
+    assert r["score"] == 1 / 3 and r["score_without_equivalent"] == 1 / 2
+    assert "1 survivors in neither EQUIVALENT nor LEFT" in m.markdown(r)

@@ -344,6 +344,23 @@ def test_threshold_kinds_are_the_fixed_ones_and_every_llama_cpp_type() -> None:
     assert not any(k.startswith("llama.cpp-LLAMA") or k == "onnx-" for k in kinds)
 
 
+def test_threshold_kinds_are_exactly_the_documented_ones() -> None:
+    # docs/export.md: KIND is safetensors, transformers, onnx-fp32|int8|int4 or llama.cpp-TYPE for any llama.cpp
+    # file type, and nothing else: a spare kind in the set (a mutated "safetensors" beside the real one, which
+    # the subset checks above let through) is a threshold nothing reads
+    from export.gguf import file_types
+
+    want = {"safetensors", "transformers", "onnx-fp32", "onnx-int8", "onnx-int4", *(f"llama.cpp-{t}" for t in file_types())}
+    assert set(P.threshold_kinds()) == want and len(P.threshold_kinds()) == len(want)
+
+
+@pytest.mark.parametrize("bad", ["XXsafetensorsXX.kl=1", "SAFETENSORS.kl=1", "XXtransformersXX.max_abs=1",
+                                 "TRANSFORMERS.max_abs=1"])
+def test_a_kind_that_is_a_near_spelling_of_a_real_one_is_refused(bad: str) -> None:
+    with pytest.raises(P.ParityError, match=r"^--threshold: bad threshold .*unknown threshold kind"):
+        P.parse_thresholds([bad])
+
+
 def test_parse_thresholds_overrides_adds_and_never_touches_the_defaults() -> None:
     th = P.parse_thresholds(["llama.cpp-Q4_K_M.kl=0.08", "llama.cpp-Q6_K.top1=0.95", "onnx-int8.top1=1"])
     assert th["llama.cpp-Q4_K_M"] == {"kl": 0.08, "top1": 0.90}

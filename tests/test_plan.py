@@ -33,7 +33,12 @@ M400_BYTES = {
     "total": 36_760_078_336,  # 34.2 GiB
     "activations_other": 3_036_676_096,  # checkpointed: 16,384 x (32 x 4 + 53) x 1024
 }
-# tokens/step 8 x 32 x 2048 = 524,288; 2 B tokens: ceil(2e9 / 524,288) = 3,815 steps = 2,000,158,720 tokens.
+# The preset's micro-batch (#48): 16 x 2048 = 32,768 tokens, twice the activations (and the checkpointed
+# ones) above; the loss adds the h gradient of the other 16,384 tokens (16,384 x 1024 x 4 = 67,108,864).
+M400_BYTES_RECIPE = {**M400_BYTES, "activations": 56_908_316_672, "logits": 1_275_068_416,
+                     "total": 65_281_345_536,  # 60.8 GiB
+                     "activations_other": 6_073_352_192}
+# tokens/step (the preset's 16 x 16 x 2048) = 524,288; 2 B tokens: ceil(2e9 / 524,288) = 3,815 steps = 2,000,158,720 tokens.
 # Speed at the assumed 40% MFU on an H100 (989.4 TFLOP/s, 3,171,293,184 FLOPs/token): 124,794.5 tokens/s,
 # so 2,000,158,720 / 124,794.5 / 3600 = 4.452 h; at $3 per GPU-hour $13.36.
 
@@ -48,11 +53,12 @@ def test_400m_plan_matches_the_hand_computation(tmp_path: Path, capsys) -> None:
     assert P.estimate_memory(preset("400m"), 2048, 8) == M400_BYTES
     assert main(plan_argv(tmp_path)) == 0
     out = capsys.readouterr().out
-    assert "8 x 32 x 2048 x 1 GPU(s) = 524,288" in out and "3,815 x 524,288 = 2.000 B tokens" in out
-    assert "34.2 GiB of 78.6 usable (44%): fits" in out  # H100: 79.6 GiB, 1 GiB kept for CUDA itself
+    assert "16 x 16 x 2048 x 1 GPU(s) = 524,288" in out and "3,815 x 524,288 = 2.000 B tokens" in out
+    assert P.estimate_memory(preset("400m"), 2048, 16) == M400_BYTES_RECIPE  # the preset's micro-batch (#48)
+    assert "60.8 GiB of 78.6 usable (77%): fits" in out  # H100: 79.6 GiB, 1 GiB kept for CUDA itself
     assert "124,795 tokens/s (assumed 40% MFU of 1 x 989.4 TFLOP/s)" in out
     assert "(4.45 h), $13.36 at $3/GPU-hour" in out
-    assert "with activation checkpointing: 2.8 GiB" in out
+    assert "with activation checkpointing: 5.7 GiB" in out  # 2 x 3,036,676,096 B
 
 
 def test_the_figures_returned(tmp_path: Path) -> None:
@@ -60,7 +66,7 @@ def test_the_figures_returned(tmp_path: Path) -> None:
 
     r = P.plan(resolve(build_parser().parse_args(plan_argv(tmp_path)), 1), gpu="H100", print_=lambda *a: None)
     assert (r["params"], r["tokens_per_step"], r["steps"], r["tokens"]) == (M400_N, 524_288, 3815, 2_000_158_720)
-    assert r["memory_bytes"] == M400_BYTES and r["dtype"] == "bf16"
+    assert r["memory_bytes"] == M400_BYTES_RECIPE and r["dtype"] == "bf16"
     assert r["hours"] == pytest.approx(2_000_158_720 / (0.4 * 989.4e12 / 3_171_293_184) / 3600)
     assert r["usd"] == pytest.approx(r["hours"] * 3)
 
@@ -78,12 +84,12 @@ def test_too_big_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
 
 
 def test_torchrun_spreads_the_presets_accumulation(tmp_path: Path, capsys) -> None:
-    """The recipe's 0.5 M tokens/step hold on 8 GPUs (32 / 8 = 4 per GPU); a given --grad-accum is per GPU."""
+    """The recipe's 0.5 M tokens/step hold on 8 GPUs (16 / 8 = 2 per GPU); a given --grad-accum is per GPU."""
     assert main(plan_argv(tmp_path, "--gpus", "8")) == 0
     out = capsys.readouterr().out
-    assert "8 x 4 x 2048 x 8 GPU(s) = 524,288 (DDP)" in out and "DDP buckets" in out
-    assert main(plan_argv(tmp_path, "--gpus", "8", "--grad-accum", "2")) == 0
-    assert "8 x 2 x 2048 x 8 GPU(s) = 262,144" in capsys.readouterr().out
+    assert "16 x 2 x 2048 x 8 GPU(s) = 524,288 (DDP)" in out and "DDP buckets" in out
+    assert main(plan_argv(tmp_path, "--gpus", "8", "--grad-accum", "1")) == 0
+    assert "16 x 1 x 2048 x 8 GPU(s) = 262,144" in capsys.readouterr().out
     assert main(plan_argv(tmp_path, "--gpus", "8", "--fsdp")) == 0
     assert "(FSDP2)" in capsys.readouterr().out
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import preloaded
 import pytest
 import torch
-from conftest import stop
+from conftest import files_of, stop
 from fixtures_reliability import REPO, child_env, train_argv
 from safetensors.torch import load_file
 
@@ -132,7 +132,18 @@ def test_sigterm_checkpoints_the_step_and_resumes_exactly(bn_data, reference, tm
     _assert_same_run(run, reference)
 
 
+def _stopped(pid: int) -> bool:
+    """Every thread of the process is stopped (SIGSTOP took effect): state T in /proc."""
+    try:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+    except FileNotFoundError:  # a thread that ended while it was read: look again
+        return False
+    return bool(states) and all(s in "tT" for s in states)
+
+
 def test_second_signal_exits_at_once_and_the_newest_checkpoint_loads(bn_data, reference, tmp_path, start):
+    """At once, as an event rather than a time: the process is frozen (SIGSTOP) while its files are read,
+    gets the second SIGTERM and dies of it without writing one more byte (no step record, no checkpoint)."""
     run = tmp_path / "run"
     argv = train_argv(bn_data, run, steps=STEPS, save_every=1)  # a save every step: the second signal lands near one
     log = tmp_path / "first.log"
@@ -141,10 +152,13 @@ def test_second_signal_exits_at_once_and_the_newest_checkpoint_loads(bn_data, re
     _wait_for(lambda: len(_step_records(run)) >= SIGNAL_AFTER, p, f"{SIGNAL_AFTER} steps")
     p.send_signal(signal.SIGTERM)
     _wait_for(lambda: "SIGTERM received" in log.read_text(), p, "the first signal's handler")
+    p.send_signal(signal.SIGSTOP)
+    _wait_for(lambda: _stopped(p.pid), p, "SIGSTOP to take effect")
+    frozen = files_of(run)
     p.send_signal(signal.SIGTERM)
-    t0 = time.monotonic()
+    p.send_signal(signal.SIGCONT)
     assert p.wait(timeout=TIMEOUT_S) == -signal.SIGTERM, log.read_text()  # killed by it, not a clean exit
-    assert time.monotonic() - t0 < 5.0
+    assert files_of(run) == frozen, "the run wrote on after the second signal"
     assert "preempted at step" not in log.read_text()
     newest = ckpt.latest(run)
     ck = ckpt.load(run)  # complete and loadable, with everything a resume needs

@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets  # noqa: F401  (dev dependencies, as pyarrow: absent, this module fails, never skips)
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import CORPUS
 
 from training.data import TokenStream
 from training.prepare import PrepareError, iter_file_docs, main, prepare, resolve_inputs
-
-pytest.importorskip("datasets")
-pa = pytest.importorskip("pyarrow")
-import pyarrow.parquet as pq  # noqa: E402
 
 FAST = {"workers": 1, "progress": False, "fertility_floor": 1.5}
 

@@ -28,8 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+import moto  # noqa: F401  (dev dependencies, as s3fs: absent, this module fails, never skips)
 import preloaded
 import pytest
+import s3fs  # noqa: F401
 import torch
 from conftest import stop
 from fixtures_reliability import REPO, SHRINK, call_main, child_env, one_error, train_argv, tree_digest
@@ -38,9 +40,6 @@ from safetensors.torch import load_file
 
 from training import layout
 from training.cli import EXIT_PREEMPTED
-
-pytest.importorskip("s3fs", reason="opt-in: pip install 'prodip[remote]' (s3fs) for the remote-run tests")
-pytest.importorskip("moto", reason="opt-in: pip install 'moto[server]' for the remote-run tests")
 
 POLL_S = 0.01
 STEPS, EVERY = 8, 2

@@ -20,15 +20,14 @@ import subprocess
 import sys
 import time
 
+import moto  # noqa: F401  (dev dependencies, as s3fs: absent, this module fails, never skips)
 import preloaded
 import pytest
+import s3fs  # noqa: F401
 from fixtures_reliability import REPO, one_error, tree_digest
 from fixtures_remote import TIMEOUT_S, bucket, no_secret, remote_argv, remote_env
 
 from training import layout
-
-pytest.importorskip("s3fs", reason="opt-in: pip install 'prodip[remote]' (s3fs) for the remote-run tests")
-pytest.importorskip("moto", reason="opt-in: pip install 'moto[server]' for the remote-run tests")
 
 
 def _export(env: dict, *argv: str) -> subprocess.CompletedProcess:

@@ -23,7 +23,9 @@ import socket
 import subprocess
 from pathlib import Path
 
+import moto  # noqa: F401  (dev dependencies, as s3fs: absent, this module fails, never skips)
 import pytest
+import s3fs  # noqa: F401
 from conftest import REPO
 from fixtures_reliability import tree_digest
 from fixtures_remote import bucket, committed_steps, no_secret
@@ -31,9 +33,6 @@ from test_distributed import COMMON, STEPS, torchrun_nodes
 
 from training import checkpoint as ckpt
 from training import layout
-
-pytest.importorskip("s3fs", reason="opt-in: pip install 'prodip[remote]' (s3fs) for the remote-run tests")
-pytest.importorskip("moto", reason="opt-in: pip install 'moto[server]' for the remote-run tests")
 
 TRAIN_PY = REPO / "training" / "train.py"
 

@@ -21,9 +21,11 @@ from serving.backend import SamplingParams, ServingError
 from serving.chat_session import ChatSession, PromptTooLong, chat_stream, completion_stream, prepare_chat
 from serving.text_stream import REPLACEMENT_CHAR, TextStream, _held_tail
 from serving.torch_backend import TorchBackend
+from training.chat import encode
 from training.checkpoint import latest, load_model
 from training.model import Transformer, preset
 from training.text import script_counts
+from training.wellformed import wellformed
 
 
 @pytest.fixture(scope="module")
@@ -210,11 +212,32 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
                           cwd=REPO, env=env, timeout=120)
 
 
+def reference_reply(run, question: str, max_tokens: int) -> str:
+    """The greedy chat reply without serving's chat, stream or CLI layers: the checkpoint through
+    TorchBackend.from_model (parity's reference), the prompt rendered by training.chat, the new tokens
+    (up to the end of turn) decoded by the training tokenizer."""
+    model, ck = load_model(run)
+    ref = TorchBackend.from_model(model, ck.tokenizer, name="reference")
+    ids = encode(ck.tokenizer, [{"role": "user", "content": question}]).ids
+    return ck.tokenizer.decode(list(ref.generate(ids, SamplingParams.greedy(max_tokens))))
+
+
+def assert_wellformed_bangla(text: str, min_clusters: int = 10) -> None:
+    """The model's Bangla as a reader sees it (training.wellformed): every Bengali cluster valid, no byte
+    sequence that is not UTF-8, and enough of it to mean something."""
+    wf = wellformed(text)
+    assert wf.clusters >= min_clusters and wf.share == 1.0 and wf.invalid_bytes == 0, (wf.to_dict(), text)
+
+
 def test_cli_one_shot_and_interactive(serve_run):  # noqa: F811
+    """The one-shot reply is the reference backend's greedy text, character for character, and well-formed
+    Bangla; the interactive session answers both turns and clears the conversation on /reset."""
     p = run_cli(str(serve_run), "--prompt", BN_QUESTION, "--temperature", "0", "--max-tokens", "24", "--stats",
                 "--threads", "1")
     assert p.returncode == 0, p.stderr
-    assert bangla_chars(p.stdout) > 0 and "tok/s" in p.stderr
+    want = reference_reply(serve_run, BN_QUESTION, 24)
+    assert p.stdout == want + "\n" and "tok/s" in p.stderr, (p.stdout, want)
+    assert_wellformed_bangla(p.stdout)
     p = run_cli(str(serve_run), "--temperature", "0", "--max-tokens", "8", stdin=f"{BN_QUESTION}\n/reset\nহ্যালো\n")
     assert p.returncode == 0, p.stderr
     assert "conversation cleared" in p.stderr and bangla_chars(p.stdout) > 0

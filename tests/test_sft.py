@@ -459,7 +459,7 @@ def test_cli_errors_are_one_line(pretrained, tmp_path, capsys):
     good = write_jsonl(tmp_path / "good.jsonl", [{"messages": SHORT}] * 3)
     cases = [
         (["--init", str(tmp_path / "nowhere"), "--data", str(good), "--out", str(tmp_path / "o")], "not found"),
-        (["--init", str(pretrained), "--data", str(good), "--out", str(pretrained)], "fine-tune into a new run folder"),
+        (["--init", str(pretrained), "--data", str(good), "--out", str(pretrained)], "is --init"),  # the one overlap rule
         (["--init", str(pretrained), "--data", str(good), "--out", str(tmp_path / "o"), "--epochs", "1",
           "--max-steps", "3"], "not both"),
         (["--init", str(pretrained), "--data", str(good), "--out", str(tmp_path / "o"), "--seq-len", "4096"],

@@ -17,8 +17,11 @@ named step_* is complete by construction, and `latest()` never sees a partial sa
 weights are refused before anything is written.
 
 The format (names, schema, listing) is training.checkpoint_format; writing (the atomic write, keep-N,
-the background CheckpointWriter) is training.checkpoint_write; this module reads and verifies, and is
-the one name every stage imports: both halves' public names are re-exported here.
+the background CheckpointWriter) is training.checkpoint_write; this module reads, and is the one name
+every stage imports: both halves' public names are re-exported here. Everything it reads is verified
+by training.checkpoint_verify on the way (state.json's step and counters, config.json strictly, finite
+tensors, the shard files' recorded sizes and sha256), so a resume, --init, an export, an evaluation
+and the server refuse the same damage with the same line.
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ from training.checkpoint_format import (
     step_dir_name,
     step_of,
     unflatten_optimizer,
+)
+from training.checkpoint_verify import (
+    check_digest,
+    check_fits,
+    check_optimizer_fits,
+    check_size,
+    check_state,
+    check_tensors_finite,
+    recorded_digests,
+    strict_model_config,
 )
 from training.checkpoint_write import (
     CheckpointWriter,
@@ -153,6 +166,8 @@ class ShardedReader:
                                   f"{SHARD_FORMAT}")
         self.entries: dict = index[kind]
         self.names = list(self.entries)
+        self.digests = recorded_digests(index, self.index_file)  # None: an index from before they were recorded
+        self._verified: set[str] = set()  # files whose sha256 was checked (once, before their first tensor is read)
         self._files: dict[str, object] = {}
         self._stack = contextlib.ExitStack()
         try:
@@ -160,6 +175,8 @@ class ShardedReader:
                 f = self._path(name)
                 if not f.is_file():
                     raise CheckpointError(f"{f}: shard file not found (listed in {self.index_file})")
+                if self.digests is not None:
+                    check_size(f, self.digests[name], self.index_file)
                 try:
                     self._files[name] = self._stack.enter_context(safe_open(str(f), framework="pt"))
                 except (SafetensorError, OSError, ValueError) as e:
@@ -186,6 +203,7 @@ class ShardedReader:
             shape, dtype, parts = e["shape"], STORED_DTYPES[e["dtype"]], e["parts"]
             if not parts or not all(isinstance(p, list) and len(p) == 3 for p in parts):
                 raise ValueError("no parts")
+            parts = sorted(parts, key=lambda p: p[1] if isinstance(p[1], int) else -1)
         except (TypeError, KeyError, ValueError):
             raise CheckpointError(f"{where}: damaged entry {e!r}") from None
         if parts[0][1] is None:  # whole, in one file (RNG states, step counts)
@@ -194,27 +212,46 @@ class ShardedReader:
                 raise CheckpointError(f"{self._path(parts[0][0])}: {name} is {t.dtype} {list(t.shape)}, "
                                       f"{self.index_file} says {dtype} {shape}")
             return t
-        if not (isinstance(shape, list) and shape and all(isinstance(n, int) and n >= 0 for n in shape)):
-            raise CheckpointError(f"{where}: damaged shape {shape!r}")
+        self._check_rows(name, shape, parts)  # headers only: nothing is allocated for a shape no file holds
         out = torch.empty(shape, dtype=dtype)
-        done = 0  # rows filled so far: the parts, in row order, must tile dim 0 exactly
-        for file, lo, hi in sorted(parts, key=lambda p: p[1] if isinstance(p[1], int) else -1):
-            if not (isinstance(lo, int) and isinstance(hi, int) and lo == done and done < hi <= shape[0]):
-                raise CheckpointError(f"{where}: rows {lo}..{hi} do not continue rows 0..{done} of {shape[0]}")
+        for file, lo, hi in parts:
             t = self._part(file, name)
-            if t.dtype != dtype or list(t.shape) != [hi - lo, *shape[1:]]:
-                raise CheckpointError(f"{self._path(file)}: {name} is {t.dtype} {list(t.shape)}, {self.index_file} "
-                                      f"says rows {lo}..{hi} of {dtype} {shape}")
+            if t.dtype != dtype:
+                raise CheckpointError(f"{self._path(file)}: {name} is {t.dtype}, {self.index_file} says {dtype}")
             out[lo:hi] = t
+        return out
+
+    def _check_rows(self, name: str, shape: object, parts: list[list]) -> None:
+        """The parts, in row order, tile dim 0 of `shape` exactly, each file's header holding its rows."""
+        where = f"{self.index_file} ({name})"
+        if not (isinstance(shape, list) and shape and all(type(n) is int and n >= 0 for n in shape)):
+            raise CheckpointError(f"{where}: damaged shape {shape!r}")
+        done = 0  # rows covered so far
+        for file, lo, hi in parts:
+            if not (type(lo) is int and type(hi) is int and lo == done and done < hi <= shape[0]):
+                raise CheckpointError(f"{where}: rows {lo}..{hi} do not continue rows 0..{done} of {shape[0]}")
+            try:
+                got = list(self._handle(file, name).get_slice(name).get_shape())
+            except (SafetensorError, OSError, ValueError) as err:
+                raise CheckpointError(f"{self._path(file)}: cannot read {name} ({err})") from None
+            if got != [hi - lo, *shape[1:]]:
+                raise CheckpointError(f"{self._path(file)}: {name} is {got}, {self.index_file} says rows {lo}..{hi} "
+                                      f"of {shape}")
             done = hi
         if done != shape[0]:
             raise CheckpointError(f"{where}: rows {done}..{shape[0]} are in no shard file")
-        return out
 
-    def _part(self, file: str, name: str) -> torch.Tensor:
-        f = self._files.get(file)
+    def _handle(self, file: str, name: str):  # noqa: ANN202 (safetensors' own handle type)
+        f = self._files.get(file) if isinstance(file, str) else None
         if f is None:
             raise CheckpointError(f"{self.index_file}: {name} is in {file!r}, which the index does not list")
+        return f
+
+    def _part(self, file: str, name: str) -> torch.Tensor:
+        f = self._handle(file, name)
+        if self.digests is not None and file not in self._verified:  # before its first tensor is used
+            check_digest(self._path(file), self.digests[file], self.index_file)
+            self._verified.add(file)
         try:
             return f.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
@@ -274,27 +311,29 @@ class Checkpoint:
             except (SafetensorError, OSError, ValueError) as e:
                 raise CheckpointError(unreadable_tensors(f, e)) from None
         rng = {k[len(RNG_PREFIX):]: v for k, v in t.items() if k.startswith(RNG_PREFIX)}
+        check_tensors_finite({k: v for k, v in t.items() if not k.startswith(RNG_PREFIX)}, f)
         if strict and CPU_RNG not in rng:
             raise CheckpointError(f"{f}: holds no RNG state ({RNG_PREFIX}{CPU_RNG})")
         return {k: v for k, v in t.items() if not k.startswith(RNG_PREFIX)}, rng
 
 
 def read_state(c: Path, required: layout.Schema = STATE_SCHEMA) -> dict:
-    """A checkpoint's state.json, checked: its format version and the keys in `required`."""
+    """A checkpoint's state.json, checked: its format version, the keys in `required`, and its values
+    (training.checkpoint_verify: the step against the folder's name, every counter finite and in range)."""
     try:
-        return layout.read_json(c / STATE_FILE, "checkpoint state", required=required, version=layout.STATE_FORMAT)
+        state = layout.read_json(c / STATE_FILE, "checkpoint state", required=required, version=layout.STATE_FORMAT)
     except layout.LayoutError as e:
         raise CheckpointError(str(e)) from None
+    return check_state(state, Path(c), Path(c) / STATE_FILE)
 
 
 def read_config(c: Path) -> ModelConfig:
-    """A checkpoint's config.json as a ModelConfig; CheckpointError naming the file otherwise."""
+    """A checkpoint's config.json as a ModelConfig, read strictly (a file we wrote: every field present, of
+    its exact type); CheckpointError naming the file and the field otherwise."""
     try:
-        return ModelConfig.from_dict(layout.read_json(c / CONFIG_FILE, "model config"))
+        return strict_model_config(layout.read_json(c / CONFIG_FILE, "model config"), c / CONFIG_FILE)
     except layout.LayoutError as e:
         raise CheckpointError(str(e)) from None
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{c / CONFIG_FILE}: not a valid model config ({e})") from None
 
 
 def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
@@ -314,6 +353,7 @@ def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
             weights = load_file(str(c / MODEL_FILE))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(unreadable_tensors(c / MODEL_FILE, e)) from None
+    check_tensors_finite(weights, c / (SHARD_INDEX_FILE if is_sharded(c) else MODEL_FILE))
     tok = Tokenizer.load(c / TOKENIZER_FILE)
     if tok.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{c}: tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}")
@@ -322,46 +362,6 @@ def load(path: str | os.PathLike, step: int | None = None) -> Checkpoint:
     with torch.device("meta"):  # the config's names and shapes, without allocating a model
         check_fits(Transformer(cfg), weights, c / (SHARD_INDEX_FILE if is_sharded(c) else MODEL_FILE))
     return Checkpoint(c, cfg, weights, state, tok)
-
-
-def check_fits(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: Path) -> None:
-    """Every weight of `model` in `weights` with its shape and a floating-point dtype (the tied head may be
-    absent), before loading."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        expected.pop("output.weight", None)
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected) - {"output.weight"})
-    wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
-    if missing or unexpected or wrong:
-        raise CheckpointError(f"{where}: weights do not fit the model: missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]}, wrong shape {wrong[:3]}")
-    # a header that says I32 over a float payload of the same size reads without an error: only the dtype tells
-    not_float = sorted(k for k, v in weights.items() if not v.dtype.is_floating_point)
-    if not_float:
-        raise CheckpointError(f"{where}: weights are not floating point: {not_float[0]} is {weights[not_float[0]].dtype}")
-
-
-def check_optimizer_fits(params: list[tuple[str, torch.nn.Parameter]], tensors: dict[str, torch.Tensor],
-                         rng: dict[str, torch.Tensor], where: Path) -> None:
-    """AdamW moments (exp_avg, exp_avg_sq of each parameter's shape, and step) for every trainable
-    parameter that has any, and a CPU RNG state torch accepts: anything less would resume, but not exactly."""
-    for name, p in params:
-        present = [m for m in ADAM_MOMENTS if f"{name}/{m}" in tensors]
-        if not present:
-            continue  # AdamW makes a parameter's state at its first update: none yet is exact too
-        for moment in ADAM_MOMENTS:
-            t = tensors.get(f"{name}/{moment}")
-            if t is None:
-                raise CheckpointError(f"{where}: no optimizer state {name}/{moment}")
-            if not t.dtype.is_floating_point:  # AdamW keeps its moments and its step count as floats
-                raise CheckpointError(f"{where}: optimizer state {name}/{moment} is {t.dtype}, not floating point")
-            if moment != "step" and tuple(t.shape) != tuple(p.shape):
-                raise CheckpointError(f"{where}: optimizer state {name}/{moment} has shape {tuple(t.shape)}, "
-                                      f"the parameter {tuple(p.shape)}")
-    cpu = rng.get(CPU_RNG)
-    if cpu is None or cpu.dtype != torch.uint8 or cpu.numel() != torch.get_rng_state().numel():
-        raise CheckpointError(f"{where}: damaged RNG state {RNG_PREFIX}{CPU_RNG}")
 
 
 def load_weights(model: Transformer, weights: dict[str, torch.Tensor]) -> None:

@@ -5,6 +5,8 @@ through training.checkpoint, the one public face of the format."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -31,6 +33,46 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per paramet
 SHARD_INDEX_FILE = "shards.json"
 SHARD_KINDS = ("model", "optim")  # the index's two sections, and the shard files' name stems
 SHARD_FORMAT = 1  # shards.json's own "prodip_shards" version
+
+
+# shards.json's "digests" (written since this key exists; an index without it is still read, with a
+# warning: training.checkpoint_verify): {file name: {"size": bytes, "sha256": hex}} per file of "files",
+# each rank hashing its own files as it writes them (record_digests), rank 0 gathering them into the
+# index at the commit (gather_digests); every reader checks them before it uses a file
+SHARD_DIGESTS = "digests"
+DIGEST_CHUNK = 1 << 22  # bytes hashed per read: 4 MiB
+
+
+def file_digest(path: Path) -> dict[str, int | str]:
+    """{"size": bytes, "sha256": hex} of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(DIGEST_CHUNK):
+            h.update(chunk)
+    return {"size": Path(path).stat().st_size, "sha256": h.hexdigest()}
+
+
+def _digests_file(rank: int, world_size: int) -> str:
+    return f"{TMP_PREFIX}digests.rank{rank:05d}-of-{world_size:05d}.json"
+
+
+def record_digests(tmp: Path, rank: int, world_size: int) -> None:
+    """A writing rank's own shard files hashed by that rank, just written (from the page cache), every rank
+    at once: rank 0 alone would hash the whole checkpoint on the save's critical path (a preemption's
+    grace). Left in the temporary folder for gather_digests."""
+    names = [shard_file(kind, rank, world_size) for kind in SHARD_KINDS]
+    text = json.dumps({name: file_digest(Path(tmp) / name) for name in names})
+    (Path(tmp) / _digests_file(rank, world_size)).write_text(text, encoding="utf-8")
+
+
+def gather_digests(tmp: Path, files: list[str]) -> dict[str, dict[str, int | str]]:
+    """shards.json's "digests" for `files`: what each rank recorded (its record then removed: not part of
+    the checkpoint), a file no record covers hashed here."""
+    digests: dict = {}
+    for rec in sorted(Path(tmp).glob(f"{TMP_PREFIX}digests.rank*.json")):
+        digests.update(json.loads(rec.read_text(encoding="utf-8")))
+        rec.unlink()
+    return {name: digests.get(name) or file_digest(Path(tmp) / name) for name in files}
 
 
 def shard_file(kind: str, rank: int, world_size: int) -> str:

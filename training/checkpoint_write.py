@@ -35,6 +35,7 @@ from training.checkpoint_format import (
     MODEL_FILE,
     OPTIM_FILE,
     RNG_PREFIX,
+    SHARD_DIGESTS,
     SHARD_FORMAT,
     SHARD_INDEX_FILE,
     SHARD_KINDS,
@@ -42,7 +43,9 @@ from training.checkpoint_format import (
     TMP_PREFIX,
     TOKENIZER_FILE,
     CheckpointError,
+    gather_digests,
     list_checkpoints,
+    record_digests,
     remove,
     shard_file,
     step_dir_name,
@@ -232,6 +235,7 @@ def write_shard(tmp: Path, step: int, rank: int, world_size: int, *, weights: di
         for kind in SHARD_KINDS:
             with open(tmp / shard_file(kind, rank, world_size), "rb") as fh:
                 os.fsync(fh.fileno())
+        record_digests(tmp, rank, world_size)  # this rank's files' size and sha256, for shards.json
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"could not write rank {rank}'s shards of checkpoint {step} in {tmp.parent} ({e}); "
                               "the previous checkpoints are intact: free some space, then run the same command "
@@ -269,7 +273,8 @@ def commit_sharded(run_dir: Path, step: int, tmp: Path, *, index: dict, cfg: Mod
         missing = [f for f in index["files"] if not (tmp / f).is_file()]
         if missing:  # every rank reported success: a file gone now is another process's doing
             raise CheckpointError(f"{tmp / missing[0]}: a rank's shard file is missing; checkpoint {step} not saved")
-        _write_json(tmp / SHARD_INDEX_FILE, index)
+        # each file's size and sha256, so a reader refuses a swapped or changed shard by name
+        _write_json(tmp / SHARD_INDEX_FILE, {**index, SHARD_DIGESTS: gather_digests(tmp, index["files"])})
     return _commit(run_dir, step, tmp, cfg=cfg, tokenizer=tokenizer, state=state, keep_last=keep_last, keep=keep)
 
 
@@ -323,17 +328,36 @@ class CheckpointWriter:
                                            optim_tensors=optim_tensors, rng=rng, **kw)
         self.stall_s.append(time.perf_counter() - t0)
 
+    def reserve(self, weights: dict[str, torch.Tensor], optim_tensors: dict[str, torch.Tensor]) -> int:
+        """Allocate (and touch) the host buffers a save() of tensors shaped like these will copy into, and
+        start the writer thread, before any save: a preemption's save, with seconds of grace, then only
+        copies. Nothing is copied. Returns the bytes reserved (0 when synchronous: nothing is staged)."""
+        if not self.asynchronous:
+            return 0
+        before = sum(b.nbytes for b in self._buffers.values())
+        for prefix, tensors, dtype in (("model/", weights, torch.float32), ("optim/", optim_tensors, None)):
+            for k, v in tensors.items():
+                self._buffer(prefix + k, v, dtype).zero_()  # zero_: the pages faulted in now, not during a save
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        return sum(b.nbytes for b in self._buffers.values()) - before
+
+    def _buffer(self, key: str, v: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """This writer's host buffer for `v` under `key` (pinned for a GPU tensor), reused when it fits."""
+        want = dtype if dtype is not None and v.is_floating_point() else v.dtype
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != v.shape or buf.dtype != want:
+            buf = torch.empty(v.shape, dtype=want, pin_memory=v.is_cuda)
+            self._buffers[key] = buf
+        return buf
+
     def _stage(self, prefix: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None
                ) -> dict[str, torch.Tensor]:
         """Host copies of `tensors` in this writer's buffers: pinned and non-blocking from a GPU."""
         out = {}
         for k, v in tensors.items():
             v = v.detach()
-            want = dtype if dtype is not None and v.is_floating_point() else v.dtype
-            buf = self._buffers.get(prefix + k)
-            if buf is None or buf.shape != v.shape or buf.dtype != want:
-                buf = torch.empty(v.shape, dtype=want, pin_memory=v.is_cuda)
-                self._buffers[prefix + k] = buf
+            buf = self._buffer(prefix + k, v, dtype)
             buf.copy_(v, non_blocking=v.is_cuda)
             out[k] = buf
         return out

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import AfterValidator, Field
 
+from training.files import Input, check_apart
 from training.gates.names import PREFLIGHT_NAMES, is_known_gate
 from training.model import ModelConfig, field_types, model_table, preset, preset_names, preset_tables
 from training.schema import (
@@ -41,6 +42,7 @@ from training.schema import (
     toml_tables,
     unknown_name,
 )
+from training.urls import RemoteError, is_url, parse_url
 
 
 class ConfigError(SchemaError):
@@ -165,6 +167,7 @@ class TrainConfig:
         if (self.cache or self.allow_local_only) and not URL_SCHEME.match(self.out):
             flag = "--cache" if self.cache else "--allow-local-only"
             raise ConfigError(f"{flag} only applies when --out is a URL (s3://BUCKET/PREFIX/RUN), not {self.out!r}")
+        self.check_places()
         if self.init_from and self.init:
             raise ConfigError(f"--init-from {self.init_from} and --init {self.init}: give one starting point")
         if self.init_from and self.model:
@@ -175,6 +178,19 @@ class TrainConfig:
         if self.seq_len > mc.max_seq_len:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {mc.max_seq_len}")
         return self
+
+    def check_places(self) -> None:
+        """Store URLs parsed by the one URL type (training.urls: no empty, `.` or `..` segment), and the run
+        folder (and a URL run's --cache) apart from everything the run reads (training.files.check_apart)."""
+        try:
+            for flag_, value in (("--out", self.out), ("--data", self.data), ("--init", self.init)):
+                if is_url(value):
+                    parse_url(value, flag_)
+        except RemoteError as e:
+            raise ConfigError(str(e)) from None
+        inputs = [Input("--data", self.data), Input("--init", self.init), Input("--init-from", self.init_from)]
+        check_apart("--out", self.out, inputs, ConfigError)
+        check_apart("--cache", self.cache, inputs, ConfigError)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,8 +1,9 @@
 """torchrun integration: process group, DDP/FSDP2/HSDP wrapping, full (unsharded) state dicts,
 and the one resume decision every rank shares.
 
-Single process when torchrun's WORLD_SIZE is absent or 1. Under torchrun (one process per GPU,
-or per CPU worker with the gloo backend) the model is wrapped in DDP by default, or sharded with
+Single process outside torchrun. Under torchrun (one process per GPU, or per CPU worker with the gloo
+backend; with --nproc_per_node=1 too: a one-rank process group, so one GPU runs the very code path of
+many, FSDP2 and its sharded checkpoints included) the model is wrapped in DDP by default, or sharded with
 FSDP2 (`fully_shard` per transformer block, then the root) with `--fsdp`: on one node a flat mesh,
 on several (LOCAL_WORLD_SIZE < WORLD_SIZE) an HSDP 2-D mesh that shards within a node (NVLink) and
 replicates across nodes (the slower network carries only one gradient all-reduce per step).
@@ -55,10 +56,12 @@ class Dist:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 0  # ranks on this node (torchrun's LOCAL_WORLD_SIZE); 0: all of them
+    group: bool = False  # a process group exists (torchrun), even of one rank
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """Under torchrun (a process group, of any size, this one included): collectives, DDP/FSDP2."""
+        return self.world_size > 1 or self.group
 
     @property
     def is_main(self) -> bool:
@@ -155,10 +158,16 @@ def agree_on_view(d: Dist, mine: RunView, device: torch.device, where: str) -> R
     return ref
 
 
+def under_torchrun() -> bool:
+    """torchrun (its elastic agent) started this process: it sets what init_process_group's env:// reads."""
+    return all(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def setup(device_kind: str) -> Dist:
-    """Join torchrun's process group (NCCL on CUDA, gloo on CPU); a no-op outside torchrun."""
+    """Join torchrun's process group (NCCL on CUDA, gloo on CPU), also a one-rank one; a no-op outside
+    torchrun (and for WORLD_SIZE 1 set by hand without torchrun's other variables)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and not under_torchrun():
         return Dist()
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -169,7 +178,7 @@ def setup(device_kind: str) -> Dist:
                                 device_id=torch.device("cuda", local))
     else:
         dist.init_process_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    return Dist(rank, local, world, local_world)
+    return Dist(rank, local, world, local_world, group=True)
 
 
 def teardown(d: Dist) -> None:
@@ -198,9 +207,11 @@ def compile_blocks(model: nn.Module) -> None:
     """torch.compile each transformer block in place (`Module.compile`), before any DDP/FSDP2 wrapping,
     as torchtitan does: the wrappers' hooks and collectives stay outside the compiled code, so neither
     splits the graph (no DDP bucket splitting, no graph break at each `fully_shard` boundary), and the
-    blocks share one graph (same code, parameters as inputs). Names and state dicts are unchanged."""
+    blocks share one graph (same code, parameters as inputs). Names and state dicts are unchanged.
+    The loss's per-chunk softmax is compiled too where that pays (training.model.COMPILE_LOSS_DEVICES)."""
     for layer in model.layers:
         layer.compile()
+    model.compile_loss = True
 
 
 @contextlib.contextmanager

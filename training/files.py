@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from training.text import check_arg
+from training.urls import RemoteError, is_url, parse_url
 
 
 def expand_files(paths: Sequence[str | Path], error: type[Exception], *, what: str,
@@ -74,3 +76,54 @@ def sha256_file(path: str | os.PathLike) -> str:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+class Input(NamedTuple):
+    """One thing a command reads, for check_apart: its flag (as the error names it) and its path or URL.
+    `out_inside_ok`: the output may lie inside it (a run's own RUN/export or RUN/eval folder)."""
+    flag: str
+    path: str | os.PathLike | None
+    out_inside_ok: bool = False
+
+
+def _relation(out: tuple[str, ...], inp: tuple[str, ...]) -> str | None:
+    """How the place `out` stands to `inp` (each as its segments): "is", "is inside", "holds", or None."""
+    n = min(len(out), len(inp))
+    if out[:n] != inp[:n]:
+        return None
+    return "is" if len(out) == len(inp) else "is inside" if len(out) > len(inp) else "holds"
+
+
+def _place(value: str | os.PathLike, flag: str) -> tuple[str, ...]:
+    """A path's segments once resolved (symbolic links, `..`, relative spellings), or a URL's place."""
+    if is_url(value):
+        return parse_url(str(value), flag).place
+    return Path(os.path.realpath(value)).parts
+
+
+def check_apart(out_flag: str, out: str | os.PathLike | None, inputs: Iterable[Input | tuple],
+                error: type[Exception]) -> None:
+    """Outputs never overlap inputs: `error` naming both flags when `out` is one of `inputs`, holds one,
+    or lies inside one (unless that input allows it), whatever --force says. Local paths are compared
+    resolved (`.`, `..`, a relative spelling, symbolic links: one folder is one folder however it is
+    named); store URLs by their place (gs:// and gcs://, a trailing /). A local path and a URL never
+    overlap. Absent values (None, "") and hf:NAME inputs are skipped."""
+    if not out:
+        return
+    try:
+        out_place = _place(out, out_flag)
+    except RemoteError as e:  # a malformed URL --out, refused as the command's own error
+        raise error(str(e)) from None
+    for item in inputs:
+        inp = Input(*item)
+        if not inp.path or str(inp.path).startswith("hf:") or is_url(inp.path) != is_url(out):
+            continue
+        try:
+            rel = _relation(out_place, _place(inp.path, inp.flag))
+        except RemoteError:
+            continue  # a malformed input URL is refused by name where that flag is read
+        if rel == "is inside" and inp.out_inside_ok:
+            continue
+        if rel:
+            raise error(f"{out_flag} {out} {rel} {inp.flag} {inp.path}: a command never writes where it reads "
+                        f"(--force included); choose another {out_flag}")

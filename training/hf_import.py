@@ -15,7 +15,6 @@ permutation). transformers is needed for the gate only: `pip install 'prodip[ini
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass, replace
@@ -23,43 +22,41 @@ from pathlib import Path
 
 import torch
 
-from training.config import ConfigError
 from training.fertility import format_table
 from training.gates.result import GateResult
+from training.hf_config import (
+    ARCHITECTURE,
+    CONFIG,
+    FIELDS,
+    MODEL_TYPE,
+    SHAPE,
+    InitFromError,
+    checked_fields,
+    read_config,
+    rope_theta,
+)
 from training.hf_names import HF_NAMES, TIED_HEAD, ours_from_hf
 from training.model import ModelConfig, Transformer
+from training.records import loads
 from training.text import normalize
 from training.tokenizer import Tokenizer, TokenizerError
 from training.vocab_extend import is_extension, new_row_sources, parse
 
-CONFIG, TOKENIZER_MODEL, TOKENIZER_JSON = "config.json", "tokenizer.model", "tokenizer.json"
+TOKENIZER_MODEL, TOKENIZER_JSON = "tokenizer.model", "tokenizer.json"
 INDEX = "model.safetensors.index.json"
-ARCHITECTURE, MODEL_TYPE = "LlamaForCausalLM", "llama"
 PARITY_GATE, PARITY_TOL = "init.parity", 1e-4  # the issue's bound: fp32 logits, max abs difference
 VOCAB_ROWS = ("tok_embeddings.weight", TIED_HEAD)  # one row per piece: the base's rows, then the extension's
 PARITY_TOKENS = 64  # ids of the data compared (fewer when --seq-len is shorter)
 ORTHOGRAPHY = Path(__file__).resolve().parent / "assets" / "text" / "orthography_bn.txt"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
-# LlamaConfig's defaults (transformers), for the keys a config.json may leave out
-DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": False, "initializer_range": 0.02, "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": 0.0}
-SHAPE = {"vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "ffn_dim",
-         "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads"}
-HONOURED = {*SHAPE, *DEFAULTS, "num_key_value_heads", "head_dim", "rope_scaling", "rope_parameters",
-            "architectures", "model_type", "bos_token_id", "eos_token_id"}
+HONOURED = {*FIELDS}
 # Fields that leave LlamaForCausalLM's fp32 forward pass alone: bookkeeping, generation and output
 # options, the stored dtype (prodip keeps fp32 master weights), pretraining_tp (sliced matmuls of the
 # same product; the parity gate checks it), pad_token_id (no padding in pretraining windows).
 IGNORED = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "pad_token_id",
            "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class",
            "_attn_implementation_autoset"}
-UNSCALED_ROPE = (None, "default")
-
-
-class InitFromError(ConfigError):
-    """A --init-from folder prodip cannot start from; the message names the file and field."""
 
 
 @dataclass
@@ -107,47 +104,18 @@ def resolve(spec: str) -> Path:
                             f"({type(e).__name__}); {hint}") from None
 
 
-def read_config(folder: Path) -> dict:
-    path = folder / CONFIG
-    if not path.is_file():
-        raise InitFromError(f"--init-from {folder}: no {CONFIG}: not a Hugging Face model folder")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InitFromError(f"{path}: not a JSON config ({e})") from None
-    if not isinstance(hf, dict):
-        raise InitFromError(f"{path}: not a JSON object")
-    return hf
-
-
-def _rope(hf: dict, path: Path) -> float:
-    """rope_theta, refusing any scaled RoPE by name (transformers 4 spells it rope_scaling, 5 rope_parameters)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for where, d in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(d, dict):
-            raise InitFromError(f"{path}: {where} = {d!r}: expected an object")
-        kind = d.get("rope_type", d.get("type"))
-        if kind not in UNSCALED_ROPE:
-            raise InitFromError(f"{path}: {where} rope_type {kind!r} cannot be honoured: prodip's model and its "
-                                "exports (HF, GGUF, ONNX) implement unscaled RoPE only")
-    return float(params.get("rope_theta", hf.get("rope_theta", DEFAULTS["rope_theta"])))
-
-
 def model_config(hf: dict, path: Path) -> ModelConfig:
-    """prodip's ModelConfig of an HF LlamaConfig dict; every field honoured, ignored by reason, or refused."""
+    """prodip's ModelConfig of an HF LlamaConfig dict; every field honoured (read strictly: training.hf_config),
+    ignored by reason, or refused by name."""
     archs, mtype = hf.get("architectures"), hf.get("model_type")
-    if archs != [ARCHITECTURE] or mtype != MODEL_TYPE:
-        raise InitFromError(f"{path}: architectures {archs} (model_type {mtype!r}): only {ARCHITECTURE} "
+    if archs != [ARCHITECTURE] or mtype != MODEL_TYPE:  # first: another architecture's fields are not the point
+        raise InitFromError(f"{path}: architectures {archs!r} (model_type {mtype!r}): only {ARCHITECTURE} "
                             f"(model_type {MODEL_TYPE!r}) can be imported")
     unknown = sorted(k for k in hf if k not in HONOURED and k not in IGNORED)
     if unknown:
         raise InitFromError(f"{path}: field {unknown[0]!r} = {hf[unknown[0]]!r} cannot be honoured (prodip "
                             f"does not implement it); refusing rather than dropping it")
-    missing = [k for k in SHAPE if not isinstance(hf.get(k), int)]
-    if missing:
-        raise InitFromError(f"{path}: {missing[0]!r} is missing or not an integer")
-    c = {**DEFAULTS, **hf}
+    c = checked_fields(hf, path)
     if c["hidden_act"] != "silu":
         raise InitFromError(f"{path}: hidden_act {c['hidden_act']!r} cannot be honoured: prodip's MLP is SwiGLU (silu)")
     for k in ("attention_bias", "mlp_bias"):
@@ -157,15 +125,16 @@ def model_config(hf: dict, path: Path) -> ModelConfig:
         raise InitFromError(f"{path}: attention_dropout {c['attention_dropout']} cannot be honoured: prodip "
                             "trains without dropout")
     heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim")
+    head_dim = c["head_dim"]
     if head_dim is not None and head_dim * heads != c["hidden_size"]:
         raise InitFromError(f"{path}: head_dim {head_dim} x {heads} heads != hidden_size {c['hidden_size']}: "
                             "prodip's head_dim is hidden_size / num_attention_heads")
+    theta = rope_theta(c, hf, path)
     try:
         return ModelConfig(**{ours: c[k] for k, ours in SHAPE.items()},
-                           n_kv_heads=c.get("num_key_value_heads") or heads,
-                           max_seq_len=c["max_position_embeddings"], rope_theta=_rope(hf, path),
-                           norm_eps=c["rms_norm_eps"], tie_embeddings=bool(c["tie_word_embeddings"]),
+                           n_kv_heads=heads if c["num_key_value_heads"] is None else c["num_key_value_heads"],
+                           max_seq_len=c["max_position_embeddings"], rope_theta=theta,
+                           norm_eps=c["rms_norm_eps"], tie_embeddings=c["tie_word_embeddings"],
                            init_std=c["initializer_range"])
     except ValueError as e:
         raise InitFromError(f"{path}: {e}") from None
@@ -217,10 +186,13 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / INDEX
     if index.is_file():
         try:
-            wmap = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            wmap = loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(wmap.values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise InitFromError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        odd = [n for n in names if not isinstance(n, str) or n in ("", ".", "..") or "/" in n or "\\" in n]
+        if odd:  # a name joined to the folder must stay in it
+            raise InitFromError(f"{index}: weight_map names {odd[0]!r}: not a file name in {folder}")
         files = [folder / n for n in names]
         absent = [f for f in files if not f.is_file()]
         if absent:

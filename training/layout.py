@@ -1,6 +1,6 @@
 """The one table of names on disk: a run folder, a checkpoint, a prepared data folder, an export.
 
-    RUN_DIR/run.json  log.jsonl  gates.json  tokenizer.model  curves.png  nonfinite.json
+    RUN_DIR/run.json  log.jsonl  gates.json  tokenizer.model  curves.png  nonfinite.json  (.prodip_lock while training)
     RUN_DIR/checkpoints/step_0001000/{model.safetensors, optim.safetensors, state.json, config.json, tokenizer.model}
     RUN_DIR/export/{hf/, onnx/, gguf/, parity.json, parity.md, manifest.json, README.md}
     DATA_DIR/{meta.json, report.json, report.md, tokenizer.model, train/, val/}
@@ -26,6 +26,10 @@ CURVES = "curves.png"
 NONFINITE = "nonfinite.json"
 EARLY_STOP = "early_stop.json"  # written when validation stopped the run early (training.trainer)
 RUN_MARKER = ".prodip_run"  # written first into a run folder: "ours" is decided from it, never from file names
+# held (flock) by the process training into the folder, removed when it ends; one killed may leave it
+# behind, harmlessly (training.loop.run_lock). Not a run's content: never uploaded or exported, and never
+# taken for a user's file by RunFolder's "is this folder ours" check
+RUN_LOCK = ".prodip_lock"
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 

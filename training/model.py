@@ -322,6 +322,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.activation_checkpointing = False
+        self.compile_loss = False  # set by training.distributed.compile_blocks: see chunked_cross_entropy
         self.reset_parameters()
 
     @torch.no_grad()
@@ -373,7 +374,8 @@ class Transformer(nn.Module):
         if return_logits or reduction == "none":  # per-token losses: the reference path
             logits = self.output(h)
             return (logits if return_logits else None), token_loss(logits, targets, loss_mask, reduction)
-        return None, chunked_cross_entropy(h, self.output.weight, targets, loss_mask, reduction)
+        return None, chunked_cross_entropy(h, self.output.weight, targets, loss_mask, reduction,
+                                           compiled=self.compile_loss and h.device.type in COMPILE_LOSS_DEVICES)
 
     def forward_with_cache(self, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values: list | None,
                            attention_mask: torch.Tensor | None = None):
@@ -416,14 +418,20 @@ def token_loss(logits, targets, loss_mask=None, reduction: str = "mean"):
 # The chunked loss computes at most this many bytes of fp32 logits at once: 2048 rows of a 32 k vocab
 # (large enough that each chunk's GEMM runs at full speed on a GPU).
 CE_CHUNK_BYTES = 2**28
+# Where a --compile run compiles the loss's per-chunk work too (`_ce_chunk`, one Inductor kernel pair
+# from the head GEMM's bf16 output to the bf16 d logits: no fp32 logits, log-probabilities or softmax
+# ever written to memory; eagerly each of those is a full pass over rows x vocab fp32 values, ~20 GB
+# per 400m micro-batch). CUDA only, where that traffic is the cost (docs/scale.md, "The loss").
+COMPILE_LOSS_DEVICES = ("cuda",)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           loss_mask: torch.Tensor | None = None, reduction: str = "mean",
-                          chunk_rows: int | None = None) -> torch.Tensor:
+                          chunk_rows: int | None = None, compiled: bool = False) -> torch.Tensor:
     """token_loss(h @ weight.T, targets, loss_mask, reduction) for reduction 'mean' or 'sum', computed
     `chunk_rows` rows at a time: each chunk's logits exist (in fp32) only while its loss and
-    gradients are computed, in the forward pass, so no (B*T x vocab) tensor is ever held."""
+    gradients are computed, in the forward pass, so no (B*T x vocab) tensor is ever held. `compiled`:
+    each chunk's softmax and d logits run as one compiled kernel (`_ce_chunk`), never in fp32 memory."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_cross_entropy: reduction {reduction!r} (per-token losses need the logits)")
     rows = chunk_rows or max(1, CE_CHUNK_BYTES // (4 * weight.shape[0]))
@@ -434,7 +442,42 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
         denom = mask.sum().clamp_min(1)
     else:  # a fill kernel, not torch.tensor(n, device=...): that is a pageable host copy and a sync on CUDA
         denom = torch.full((), targets.numel(), device=h.device)
-    return _ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), mask, denom, rows)
+    return _ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), mask, denom, rows,
+                                      compiled)
+
+
+def _ce_chunk(hi: torch.Tensor, wc: torch.Tensor, ti: torch.Tensor, scale: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's per-row cross-entropy and, unless `scale` is None, its d logits = (softmax - onehot) *
+    scale in the compute dtype. Eager, each step is a pass over the chunk's fp32 logits; compiled, the same
+    math (`_ce_chunk_fusible`) fuses into kernels that read the GEMM's bf16 output and write bf16."""
+    logp = torch.log_softmax((hi @ wc.T).float(), dim=-1)  # this chunk's fp32 logits, and no more
+    ce = -logp.gather(1, ti[:, None]).squeeze(1)  # = F.cross_entropy(reduction="none")
+    if scale is None:
+        return ce, None
+    g = logp.exp_()  # softmax, in place
+    g[torch.arange(len(ti), device=g.device), ti] -= 1
+    return ce, (g * scale).to(hi.dtype)
+
+
+def _ce_chunk_fusible(hi: torch.Tensor, wc: torch.Tensor, ti: torch.Tensor, scale: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """_ce_chunk in the form Inductor fuses: the one-hot as a comparison with an index range instead of
+    an in-place write (which would need the fp32 softmax in memory first), the softmax from logsumexp.
+    Eagerly it would hold fp32 logits and a bool one-hot: only ever run compiled."""
+    logits = (hi @ wc.T).float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    ce = (lse - logits.gather(1, ti[:, None])).squeeze(1)
+    if scale is None:
+        return ce, None
+    onehot = torch.arange(logits.shape[1], device=ti.device)[None, :] == ti[:, None]
+    return ce, ((torch.exp(logits - lse) - onehot.float()) * scale).to(hi.dtype)
+
+
+@functools.cache
+def _compiled_ce_chunk():
+    # static shapes: every chunk but a last partial one has the same rows (400m: 8 of 2048 per micro-batch)
+    return torch.compile(_ce_chunk_fusible, dynamic=False)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -442,24 +485,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     in backward) are computed chunk by chunk in forward: d logits = (softmax - onehot) * mask / denom."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, mask, denom, rows: int):
+    def forward(ctx, h, weight, targets, mask, denom, rows: int, compiled: bool = False):
         # the dtype the head's matmul runs in: autocast's (bf16) when on, like nn.Linear's
         dev = h.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
         hc, wc = h.to(dtype), weight.to(dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        chunk = _compiled_ce_chunk() if compiled else _ce_chunk
         ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for i in range(0, h.shape[0], rows):
             hi, ti = hc[i:i + rows], targets[i:i + rows]
-            logp = torch.log_softmax((hi @ wc.T).float(), dim=-1)  # this chunk's fp32 logits, and no more
-            ce[i:i + rows] = -logp.gather(1, ti[:, None]).squeeze(1)  # = F.cross_entropy(reduction="none")
+            scale = None
             if need_h or need_w:
-                g = logp.exp_()  # softmax, in place
-                g[torch.arange(len(ti), device=g.device), ti] -= 1
                 scale = 1 / denom if mask is None else mask[i:i + rows, None] / denom
-                g = (g * scale).to(dtype)
+            ce[i:i + rows], g = chunk(hi, wc, ti, scale)
+            if g is not None:
                 if need_h:
                     grad_h[i:i + rows] = g @ wc
                 if need_w:
@@ -474,7 +516,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
         gw = None if grad_w is None else (grad_w * grad_out).to(ctx.w_dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def count_params(cfg: ModelConfig, *, non_embedding: bool = False) -> int:

@@ -28,7 +28,11 @@ from typing import Any
 
 from training import layout
 from training.files import sha256_file
-from training.schema import URL_SCHEME, URL_STORES
+from training.records import loads as bounded_loads
+from training.schema import URL_STORES
+from training.urls import RemoteError, check_marker, is_url, parse_url
+
+__all__ = ["RemoteError", "is_url"]  # defined in training.urls (the URL type), imported from here by the stages
 
 COMMIT_SUFFIX = ".commit.json"
 COMMIT_FORMAT = ("prodip_commit", 1)
@@ -45,32 +49,14 @@ UNREACHABLE = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "Read
                          "ConnectionRefusedError", "ConnectionResetError", "FSTimeoutError", "ClientOSError"})
 
 
-class RemoteError(ValueError):
-    """Bad input about a URL (scheme, bucket, credentials, library): one `error:` line, nothing written."""
-
-
 class Unreachable(OSError):
     """The store did not answer (network, server down): the mirror retries; nothing is wrong with the input."""
 
 
-def is_url(text: str | os.PathLike) -> bool:
-    return bool(URL_SCHEME.match(str(text)))
-
-
 def split_url(url: str, flag: str = "--out") -> tuple[str, str]:
-    """(scheme, "bucket/prefix/run") of a store URL; RemoteError naming `flag` otherwise."""
-    scheme, _, rest = url.partition("://")
-    if scheme not in URL_STORES:
-        raise RemoteError(f"{flag} {url}: unknown URL scheme {scheme}:// (supported: "
-                          f"{', '.join(s + '://' for s in URL_STORES)}; or give a local path)")
-    root = rest.strip("/")
-    bucket = root.split("/")[0]
-    if "@" in bucket or ":" in bucket:
-        raise RemoteError(f"{flag} {scheme}://...: credentials or a port in the URL are refused; set the standard "
-                          "AWS variables (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) instead")
-    if not bucket:
-        raise RemoteError(f"{flag} {url}: no bucket; expected {scheme}://BUCKET/PREFIX/RUN")
-    return scheme, root
+    """(scheme, "bucket/prefix/run") of a store URL (training.urls.parse_url); RemoteError naming `flag` otherwise."""
+    u = parse_url(url, flag)
+    return u.scheme, u.root
 
 
 def _url_key(url: str) -> str:
@@ -115,6 +101,18 @@ def _filesystem(scheme: str, url: str, flag: str) -> Any:
     return fsspec.filesystem(scheme, skip_instance_cache=True)
 
 
+def store_refusal(e: BaseException) -> str:
+    """A store's (or its client's) refusal in one line: an endpoint that is not a URL, a bucket name the
+    store rejects, any other error, by its class and first line (botocore never puts a secret there)."""
+    text = " ".join(str(e).split())[:300] or "no message"
+    if "endpoint" in text.lower() and isinstance(e, ValueError):
+        env = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+        return f"{env} is not a valid endpoint URL ({text})"
+    if "bucket" in text.lower() and ("valid" in text.lower() or "name" in text.lower()):
+        return f"the store rejects the bucket name ({type(e).__name__}: {text})"
+    return f"the store refused the request ({type(e).__name__}: {text})"
+
+
 class Remote:
     """One run folder at a store URL (rank 0's)."""
 
@@ -140,7 +138,7 @@ class Remote:
             if isinstance(e, PermissionError):
                 raise RemoteError(f"{self.flag} {self.url}: access denied by the store (check the credentials "
                                   "and the bucket's policy)") from None
-            raise
+            raise RemoteError(f"{self.flag} {self.url}: {store_refusal(e)}") from None
 
     def path(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -177,8 +175,8 @@ class Remote:
         except FileNotFoundError:
             return None
         try:
-            obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            obj = bounded_loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError and the bounds' JSONBoundError
             raise layout.LayoutError(f"{self.url}/{rel}: {what} is not valid JSON ({e})") from None
         if not isinstance(obj, dict):
             raise layout.LayoutError(f"{self.url}/{rel}: {what} must hold a JSON object")
@@ -211,15 +209,21 @@ class Remote:
         self.put_bytes(json.dumps(marker, indent=1).encode(), marker_rel)
         return marker
 
+    def read_marker(self, marker_rel: str) -> dict | None:
+        """The commit marker at URL/marker_rel checked by its schema (training.urls.CommitMarker): None when
+        it is absent or damaged (not JSON, the wrong shape, a file name leaving its folder): either way
+        nothing vouches for the files, as after an upload cut short."""
+        try:
+            obj = self.read_json(marker_rel, "commit marker")
+            return None if obj is None else check_marker(obj, f"{self.url}/{marker_rel}")
+        except (layout.LayoutError, RemoteError):
+            return None
+
     def read_commit(self, rel_dir: str, marker_rel: str) -> dict | None:
         """The commit marker at URL/marker_rel when it names exactly the files under URL/rel_dir (every
         depth), at their sizes; else None (absent, damaged, or an upload cut short)."""
-        try:
-            marker = self.read_json(marker_rel, "commit marker")
-        except layout.LayoutError:
-            return None
-        files = marker.get("files") if isinstance(marker, dict) else None
-        if not isinstance(files, dict) or not files or marker.get(COMMIT_FORMAT[0]) != COMMIT_FORMAT[1]:
+        marker = self.read_marker(marker_rel)
+        if marker is None:
             return None
         try:
             found = self._call(self.fs.find, self.path(rel_dir), detail=True)
@@ -228,7 +232,7 @@ class Remote:
         base = self.path(rel_dir) + "/"
         sizes = {k[len(base):]: int(v.get("size") or 0) for k, v in found.items()
                  if v.get("type") == "file" and k.startswith(base)}
-        return marker if sizes == {k: v.get("size") for k, v in files.items()} else None
+        return marker if sizes == {k: v["size"] for k, v in marker["files"].items()} else None
 
     def get_verified(self, rel: str, local: Path, want: dict) -> bool:
         """URL/rel into `local`; False (and `local` removed) when its size or sha256 is not the marker's."""
@@ -250,16 +254,11 @@ class Remote:
         steps = {n for n in names if n.startswith(layout.STEP_PREFIX) and n[len(layout.STEP_PREFIX):].isdigit()}
         committed, partial = [], []
         for n in sorted(steps):
-            marker = None
-            if n + COMMIT_SUFFIX in names:
-                try:
-                    marker = self.read_json(f"{layout.CHECKPOINTS}/{n}{COMMIT_SUFFIX}", "commit marker")
-                except layout.LayoutError:
-                    marker = None
-            files = marker.get("files") if isinstance(marker, dict) else None
-            if isinstance(files, dict) and files and \
-                    self.sizes(f"{layout.CHECKPOINTS}/{n}") == {k: v.get("size") for k, v in files.items()}:
-                committed.append((int(n[len(layout.STEP_PREFIX):]), marker))
+            step = int(n[len(layout.STEP_PREFIX):])
+            marker = self.read_marker(f"{layout.CHECKPOINTS}/{n}{COMMIT_SUFFIX}") if n + COMMIT_SUFFIX in names else None
+            if marker is not None and marker.get("step", step) == step and \
+                    self.sizes(f"{layout.CHECKPOINTS}/{n}") == {k: v["size"] for k, v in marker["files"].items()}:
+                committed.append((step, marker))
             else:
                 partial.append(n)
         return committed, partial

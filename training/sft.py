@@ -22,6 +22,10 @@ Two data gates are decided by the conversations alone and checked before anythin
 held-out conversation also in training (data.train_val_disjoint), and --seq-len long enough that at
 most 25 % of the training conversations are cut or dropped (data.truncation). Either failing is one
 `error:` line and exit 2; gates.json records both again with the other pre-flight gates.
+
+--lora-rank R trains LoRA adapters instead of every weight (training.lora, training.lora_run): the --init
+model frozen, rank-R adapters on the linears --lora-targets names (default all seven), adapter-only
+checkpoints that name the base by path and sha256, and the adapter gates (training.gates.adapters).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from training.cli import ArgumentParser, run_main
 from training.config import ConfigError, TrainConfig, add_train_flags, given_keys
 from training.config import config_from_args as train_config_from_args
 from training.data import Row, collate
+from training.files import Input, check_apart
+from training.lora import LoRAError, LoRASpec, add_lora_flags, spec_from_args
 from training.model import ModelConfig
 from training.remote import RemoteError, is_url
 from training.remote_data import PULLED, local_init, pull_data
@@ -136,7 +142,8 @@ def epochs_to_steps(epochs: float, n_rows: int, cfg: TrainConfig, world_size: in
     return max(1, math.ceil(epochs * n_rows / (cfg.batch_size * cfg.grad_accum * world_size)))
 
 
-def run_sft(cfg: TrainConfig, *, force: bool = False, epochs: float | None = None, quiet: bool = False) -> dict:
+def run_sft(cfg: TrainConfig, *, force: bool = False, epochs: float | None = None, quiet: bool = False,
+            lora: LoRASpec | None = None) -> dict:
     """Fine-tune `cfg.init` on the conversations in `cfg.data` (os.pathsep-separated files) into `cfg.out`.
 
     `epochs` (when given) sets max_steps from the number of training conversations. Returns the
@@ -158,11 +165,16 @@ def run_sft(cfg: TrainConfig, *, force: bool = False, epochs: float | None = Non
         f"{tr['assistant_tokens']:,} of {tr['tokens']:,} training tokens are assistant tokens; "
         f"{tr['truncated']} cut to --seq-len {cfg.seq_len}, {tr['dropped_no_assistant_in_window']} dropped "
         f"(no assistant token within it)")
-    summary = Trainer(cfg, data.training_data, kind=KIND, force=force).run()
+    if lora is None:
+        summary = Trainer(cfg, data.training_data, kind=KIND, force=force).run()
+    else:  # lazily: a full fine-tuning never imports the adapter machinery
+        from training.lora_run import LoRATrainer
+
+        summary = LoRATrainer(cfg, data.training_data, spec=lora, kind=KIND, force=force).run()
     report = {"init": str(init_dir), "files": data.files, "seq_len": cfg.seq_len, "split_by": data.split_by,
               **data.stats, "max_steps": cfg.max_steps}
     if is_main and data.val:
-        report["heldout"] = compare_heldout(init_dir, Path(cfg.out), data, cfg)
+        report["heldout"] = compare_heldout(init_dir, Path(cfg.out), data, cfg, adapter=lora is not None)
         h = report["heldout"]
         say(f"held-out assistant-token loss ({h['conversations']} conversations): {h['init_loss']:.4f} before SFT "
             f"-> {h['sft_loss']:.4f} after")
@@ -171,17 +183,25 @@ def run_sft(cfg: TrainConfig, *, force: bool = False, epochs: float | None = Non
     return {**summary, "sft": report}
 
 
-def compare_heldout(init_dir: Path, out: Path, data: SFTData, cfg: TrainConfig) -> dict:
-    """Held-out assistant-token loss of the --init weights and of the newest SFT checkpoint."""
+def compare_heldout(init_dir: Path, out: Path, data: SFTData, cfg: TrainConfig, adapter: bool = False) -> dict:
+    """Held-out assistant-token loss of the --init weights and of the newest SFT checkpoint (`adapter`:
+    an adapter checkpoint, applied to its base)."""
     device = "cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     rows = data.val[:REPORT_MAX_VAL_ROWS]
     res = {"conversations": len(rows)}
     for key, path in (("init_loss", init_dir), ("sft_loss", out)):
-        model, ck = ckpt.load_model(path, device=device)
+        if adapter and key == "sft_loss":
+            from training.lora_run import load_adapted
+
+            model, _ = load_adapted(path, device=device)
+            ck_path = ckpt.resolve(path)
+        else:
+            model, ck = ckpt.load_model(path, device=device)
+            ck_path = ck.path
         res[key] = heldout_loss(model, rows, data.seq_len, data.tokenizer.pad_id, batch_size=cfg.batch_size,
                                 device=device)
         if key == "sft_loss":
-            res["sft_checkpoint"] = str(ck.path)
+            res["sft_checkpoint"] = str(ck_path)
         del model
     return res
 
@@ -203,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", required=True, metavar="RUN_OR_CHECKPOINT", help="the pretrained weights to fine-tune: a run folder, a checkpoint, or a run at a store URL (s3://BUCKET/RUN)")
     p.add_argument("--epochs", type=flag(PositiveFloat), default=None,
                    help=f"passes over the training conversations (default {DEFAULT_EPOCHS:g} unless --max-steps/--max-tokens)")
+    add_lora_flags(p)
     return p
 
 
@@ -240,6 +261,9 @@ def local_init_run(init: str) -> str:
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, float | None]:
     """(TrainConfig, epochs or None). Precedence: SFT defaults < TOML < flags < --set, as in train.py."""
     toml_keys = given_keys(args)  # the --config file's [train] keys and --set's
+    inputs = [*(Input("--data", d) for d in args.data), Input("--init", args.init)]
+    for out_flag in ("--out", "--cache"):  # before anything is pulled: as given, URLs included
+        check_apart(out_flag, getattr(args, out_flag[2:]), inputs, SFTError)
     ns = copy.copy(args)
     ns.data = os.pathsep.join(local_data(args.data))
     ns.init = local_init_run(args.init)  # a run at a store URL: its newest committed checkpoint, pulled
@@ -262,12 +286,24 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, float | Non
     return train_config_from_args(ns), epochs
 
 
+def lora_spec(args: argparse.Namespace, cfg: TrainConfig) -> LoRASpec | None:
+    """--lora-* checked against the --init model and the run folder, before anything is written."""
+    init_dir, init_cfg, _ = init_checkpoint(cfg.init)
+    spec = spec_from_args(args, init_cfg)
+    if spec is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise LoRAError("--lora-rank trains on one process: run training/sft.py without torchrun")
+    latest = ckpt.latest(Path(cfg.out)) if Path(cfg.out).is_dir() else None
+    if spec is None and latest is not None and "lora" in layout.read_json(latest / layout.STATE, "checkpoint state"):
+        raise LoRAError(f"--out {cfg.out} holds an adapter run (LoRA): repeat its --lora-* flags, or use another --out")
+    return spec
+
+
 def main(argv: list[str] | None = None) -> int:
     def go(args: argparse.Namespace) -> None:
         cfg, epochs = config_from_args(args)
-        run_sft(cfg, force=args.force, epochs=epochs)
+        run_sft(cfg, force=args.force, epochs=epochs, lora=lora_spec(args, cfg))
 
-    return run_main(build_parser(), argv, go, errors=(*USER_ERRORS, SchemaError, SFTError),
+    return run_main(build_parser(), argv, go, errors=(*USER_ERRORS, SchemaError, SFTError, LoRAError),
                     interrupted_hint=RESUME_HINT)
 
 

@@ -54,6 +54,7 @@ class Recipe:
 
 class Trainer:
     """One run: `run()` = setup, preflight, commit, the loop of steps, the summary."""
+    checkpointer_class, gate_registry = Checkpointer, None  # an adapter run's own: training.lora_run.LoRATrainer
 
     def __init__(self, cfg: TrainConfig, data_factory: DataFactory, *, kind: str = "pretrain", force: bool = False,
                  model_class: type[Transformer] = Transformer, lr_schedule: optim.Schedule = lr_at):
@@ -102,7 +103,7 @@ class Trainer:
         self.data, model_cfg = self.inputs.read_data(check=self.metrics.check_tracker)
         self.folder = RunFolder(out, d, kind=recipe.kind, force=recipe.force)
         self.early = EarlyStopping(cfg.early_stop_patience, out, d, log=self.metrics.event, say=self.say)
-        self.checkpointer = Checkpointer(out, d, self.device, cfg, kind=recipe.kind, log=self.metrics.event,
+        self.checkpointer = self.checkpointer_class(out, d, self.device, cfg, kind=recipe.kind, log=self.metrics.event,
                                          say=self.say)
         self.checkpointer.mirror = mirror  # uploads each save once commit() started it
         latest = self.check_run_dir(model_cfg)
@@ -113,7 +114,7 @@ class Trainer:
         if latest is None:
             self.inputs.init_weights(model, self.data, self.checkpointer)
         views = build_views(model, cfg, d, self.device, self.new_optimizer)
-        self.train_step = TrainStep(views, cfg, d, recipe.lr_schedule)
+        self.train_step = TrainStep(views, cfg, d, recipe.lr_schedule, on_first_update=self.checkpointer.reserve)
         self.validator = Validator(cfg, self.data, d, views)
         self.metrics.peak_flops, gpu_name = peak_flops(self.device)
         self.say(self.metrics.banner(recipe.kind, model_cfg, gpu_name, self.train_step, views))
@@ -155,7 +156,7 @@ class Trainer:
     def preflight(self) -> None:
         """The pre-flight gates (training.loop.preflight): before a fresh run's first step, and again on a
         resume that changed what they judged (device, dtype, world size, compile, wrapping)."""
-        preflight = Preflight(self.cfg, self.dist, self.folder, self.say)
+        preflight = Preflight(self.cfg, self.dist, self.folder, self.say, registry=self.gate_registry)
         gate_args = (self.views, self.data, self.new_optimizer, self.metrics.peak_flops)
         if not self.step:
             self.folder.gate_report = preflight.run(*gate_args)

@@ -29,9 +29,11 @@ from training.evaluate.report import OUTPUT_FILES, make_report, render_markdown,
 from training.evaluate.request import build_request, evaluate_model
 from training.evaluate.text import ALL, MAX_DOC_CHARS
 from training.evaluate.twin import TWIN_MARGIN, TWIN_SEED, make_twin, twin_result
+from training.files import Input, check_apart
 from training.gates.result import GateResult
 from training.prepare.decontam import status_for
 from training.schema import NonNegFloat, NonNegInt, PositiveInt, Seed, check, flag
+from training.urls import local_text
 
 EVAL_DIR = "eval"  # RUN/eval holds a checkpoint's OUTPUT_FILES
 PROMPT_FORMATS = ("auto", "chat", "plain")  # auto: chat for an SFT run, plain text otherwise
@@ -41,13 +43,13 @@ GenTokens = Annotated[int, Field(ge=0, le=MAX_GEN_TOKENS)]
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     """Options shared with `python -m export.evaluate`."""
-    ap.add_argument("--text", nargs="+", default=[], metavar="FILE",
+    ap.add_argument("--text", nargs="+", default=[], metavar="FILE", type=local_text,
                     help='UTF-8 text files for bits per byte (.json/.jsonl: records with a "text" field)')
-    ap.add_argument("--mc", nargs="+", default=[], metavar="FILE",
+    ap.add_argument("--mc", nargs="+", default=[], metavar="FILE", type=local_text,
                     help="multiple-choice files (llm-foundry JSONL, Winogrande, HellaSwag, Okapi ARC) or folders of them")
     ap.add_argument("--limit", type=flag(PositiveInt), default=None, metavar="N",
                     help="at most N items per multiple-choice file and N text documents")
-    ap.add_argument("--out", default=None, metavar="DIR", help="where eval.json/eval.md/eval.png go")
+    ap.add_argument("--out", default=None, metavar="DIR", type=local_text, help="where eval.json/eval.md/eval.png go")
     ap.add_argument("--force", action="store_true", help="overwrite earlier results and the card section")
     ap.add_argument("--max-doc-chars", type=flag(PositiveInt), default=MAX_DOC_CHARS, help="document size for text scoring")
     ap.add_argument("--stride", type=flag(PositiveInt), default=None, help="window stride for long documents (default n_ctx/2)")
@@ -62,11 +64,16 @@ def check_common_args(args: argparse.Namespace) -> None:
         raise EvalError(f"--max-doc-chars must be >= 1, got {args.max_doc_chars}")
 
 
+def read_inputs(args: argparse.Namespace) -> list[Input]:
+    """The --text and --mc files, which --out must not be, hold or lie in (training.files.check_apart)."""
+    return [*(Input("--text", t) for t in args.text), *(Input("--mc", m) for m in args.mc)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m training.evaluate", description=(
         "Evaluate a trained checkpoint: NLL/token, bits per byte and per character by language, beside the "
         "random-init twin, multiple-choice accuracy, and the Bengali well-formedness of greedy answers."))
-    ap.add_argument("path", help="a run folder (its newest checkpoint) or a checkpoint folder")
+    ap.add_argument("path", type=local_text, help="a run folder (its newest checkpoint) or a checkpoint folder")
     ap.add_argument("--step", type=flag(NonNegInt), default=None, help="a specific checkpoint step of the run")
     add_common_args(ap)
     ap.add_argument("--device", default=None, help="torch device: auto, cpu, cuda, cuda:N or mps (default: cuda if available, else cpu)")
@@ -74,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--twin-mc", action="store_true", help="also score multiple choice with the twin")
     ap.add_argument("--twin-seed", type=flag(Seed), default=TWIN_SEED)
     ap.add_argument("--margin", type=flag(NonNegFloat), default=TWIN_MARGIN, help="twin gate margin, nats/token")
-    ap.add_argument("--prompts", default=None, metavar="FILE",
+    ap.add_argument("--prompts", default=None, metavar="FILE", type=local_text,
                     help="prompts (one per line) answered greedily and scored for Bengali well-formedness "
                          "(default with --text/--mc: training/assets/chat/prompts_bn.txt, the demo's examples)")
     ap.add_argument("--gen-tokens", type=flag(GenTokens), default=GEN_TOKENS, metavar="N",
@@ -83,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                     help="chat template or plain continuation (auto: chat for an SFT run)")
     ap.add_argument("--fail-on-gate", action="store_true", help="exit 1 when the twin gate fails")
-    ap.add_argument("--base", default=None, metavar="FOLDER",
+    ap.add_argument("--base", default=None, metavar="FOLDER", type=local_text,
                     help="the Hugging Face folder the run started from (default: run.json's init_from); its "
                          "bits/byte, and the extended-but-untrained model's, go beside the model's (docs/init_from.md)")
     ap.add_argument("--no-base", action="store_true", help="skip the comparison with an --init-from run's base")
@@ -144,6 +151,11 @@ def run_cli(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else (run_dir / EVAL_DIR if run_dir else None)
     if out_dir is None:
         raise EvalError(f"{args.path} is a checkpoint outside a run folder; pass --out DIR")
+    model_inputs = [Input("RUN_OR_CHECKPOINT", args.path, not layout.is_checkpoint_dir(Path(args.path))),
+                    Input("RUN_OR_CHECKPOINT", run_dir, True),  # RUN/eval, the default, is inside it
+                    Input("RUN_OR_CHECKPOINT", run_dir and run_dir / layout.CHECKPOINTS)]
+    check_apart("--out", out_dir, [*read_inputs(args), *model_inputs, Input("--prompts", args.prompts),
+                                   Input("--base", args.base)], EvalError)
     if (out_dir / OUTPUT_FILES[0]).exists() and not args.force:  # fail before minutes of scoring
         raise EvalError(f"{out_dir / OUTPUT_FILES[0]} already exists; pass --force to overwrite or --out DIR")
     spec = None if args.no_base else base_spec(run_cfg, args.base, run_dir and layout.run_config_path(run_dir))

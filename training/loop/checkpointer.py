@@ -30,6 +30,7 @@ from training.config import TrainConfig
 from training.loop import mirror_nodes
 from training.loop.mirror import Mirror
 from training.loop.ranks import USER_ERRORS, TrainError, agreed
+from training.loop.run_lock import RunLock
 from training.loop.step import ModelViews
 from training.tokenizer import Tokenizer
 
@@ -69,11 +70,17 @@ class Checkpointer:
         self.keep: Callable[[], Container[int]] = tuple  # steps keep-N must not prune (the best, early stopping)
         self.mirror: Mirror | None = None  # a URL --out: each save, once handed to the writer, is uploaded
         self.landing: dict | None = None  # rank 0: the save whose write is in flight, logged once it lands
+        self.run_lock = RunLock(self.out)  # rank 0's hold on the run folder, from pull_remote() to close_mirror()
 
     # ---------------------------------------------------------------- a URL --out (training.loop.mirror)
     def pull_remote(self, model_cfg: Any, force: bool) -> None:
-        """The URL holds this run or nothing (else refused); its newest committed checkpoint pulled into the
-        cache; on several nodes rank 0's resume checkpoint into every node's cache (loop.mirror_nodes)."""
+        """First the run folder's lock (loop.run_lock): rank 0, the one writer, holds it for the run's life,
+        taken before anything reads or pulls into the folder; another run holding it is refused by name,
+        on every rank. Then a URL --out: it holds this run or nothing (else refused); its newest committed
+        checkpoint pulled into the cache; on several nodes rank 0's resume checkpoint into every node's
+        cache (loop.mirror_nodes)."""
+        agreed(self.dist, self.device, f"locking the run folder {self.out}",
+               lambda: self.run_lock.acquire() if self.dist.is_main and not self.out.is_file() else None)
         if (m := self.mirror) is not None:
             agreed(self.dist, self.device, f"reading --out {m.url}",
                    lambda: m.prepare(model_cfg, force) if self.dist.is_main else None)
@@ -87,8 +94,12 @@ class Checkpointer:
             m.run_files()
 
     def close_mirror(self, allow_local_only: bool) -> str:
-        """The last uploads waited for; why the run must still fail ('' when it need not)."""
-        return self.mirror.close(allow_local_only) if self.mirror is not None else ""
+        """The end of the run (the Trainer's last call, after the log's): the last uploads waited for, then
+        the run folder let go (its lock); why the run must still fail ('' when it need not)."""
+        try:
+            return self.mirror.close(allow_local_only) if self.mirror is not None else ""
+        finally:
+            self.run_lock.release()
 
     def register(self, key: str | None, component: Stateful, what: str = "") -> None:
         self.components.append((key, what or str(key), component))
@@ -182,13 +193,16 @@ class Checkpointer:
         return state["step"]
 
     def _read_tensors(self, path: Path, state: dict, views: ModelViews) -> tuple[dict, dict | None, dict, str | None]:
-        """Rank 0's read: (weights, optimizer state or None, RNG, why the optimizer state is dropped
-        under --reset-optimizer), every tensor checked against the model."""
+        """Rank 0's read: (weights, *_read_optimizer), every tensor checked against the model."""
         ck = ckpt.load(path)  # its weights checked against its config: names, shapes, dtype
         if ck.config.to_dict() != views.model.cfg.to_dict():
             raise ckpt.CheckpointError(f"cannot resume {path}: its {ckpt.CONFIG_FILE} differs from the run's "
                                        "model config")
-        optim_sd, rng, problem = None, {}, None
+        return (ck.weights, *self._read_optimizer(ck, state, views))
+
+    def _read_optimizer(self, ck: ckpt.Checkpoint, state: dict, views: ModelViews) -> tuple[dict | None, dict, str | None]:
+        """(optimizer state or None, RNG, why dropped under --reset-optimizer), checked against the model."""
+        path, optim_sd, rng, problem = ck.path, None, {}, None
         try:
             optim_tensors, rng = ck.optimizer_and_rng(strict=True)
             groups = state.get("optimizer_param_groups")
@@ -201,9 +215,7 @@ class Checkpointer:
                 raise ckpt.CheckpointError(f"cannot resume {path} exactly: {e}; --reset-optimizer resumes it with "
                                            "fresh optimizer moments (recorded in log.jsonl)") from None
             problem, rng = str(e), {}
-        if self.cfg.reset_optimizer:
-            optim_sd = None
-        return ck.weights, optim_sd, rng, problem
+        return (None if self.cfg.reset_optimizer else optim_sd), rng, problem
 
     @staticmethod
     def _read_rng(path: Path) -> dict[str, torch.Tensor]:
@@ -257,6 +269,17 @@ class Checkpointer:
             self.landing = {"step": step, "stall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
             if not self.cfg.async_checkpoints:  # written already: its event need not wait for the next finish()
                 self._log_landed(0.0)
+
+    def reserve(self, views: ModelViews) -> None:
+        """The async writer's host buffers (pinned on a GPU) allocated now, once the first step has made the
+        optimizer's moments, not inside the first save (a preemption's, with seconds of grace). Single
+        process and DDP only: FSDP2's saves gather into fresh host copies or write their own shards."""
+        if self.cfg.fsdp and self.dist.enabled:
+            return
+        weights = D.full_model_state(views.wrapped)  # references to the live tensors: nothing is copied
+        tensors, _ = ckpt.flatten_optimizer(D.full_optimizer_state(views.wrapped, views.optimizer, rank0_only=False), [])
+        if self.dist.is_main:
+            self.writer.reserve(ckpt.drop_tied(weights, views.model.cfg), tensors)
 
     def _state(self, groups: list[dict]) -> dict[str, Any]:
         """state.json's contents beyond step and tokenizer: the registered components' states."""

@@ -25,8 +25,10 @@ from training.metrics import flops_per_token
 
 
 class Preflight:
-    def __init__(self, cfg: TrainConfig, d: D.Dist, folder: RunFolder, say: Callable[[str], None]):
+    def __init__(self, cfg: TrainConfig, d: D.Dist, folder: RunFolder, say: Callable[[str], None],
+                 registry: dict | None = None):
         self.cfg, self.dist, self.folder, self.say = cfg, d, folder, say
+        self.registry = registry  # None: every gate of training.gates.preflight.PREFLIGHT
 
     def run(self, views: ModelViews, data: TrainingData, new_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
             peak_flops: float | None) -> gates.GateReport:
@@ -37,7 +39,7 @@ class Preflight:
                                      batches=data, cfg=cfg, model_cfg=v.model.cfg, device=v.device,
                                      autocast=v.autocast, dist=d,
                                      flops_per_token=flops_per_token(v.model.cfg, cfg.seq_len), peak_flops=peak_flops)
-        report.extend(gates.run_preflight(ctx, skip=cfg.skip_gates))
+        report.extend(gates.run_preflight(ctx, skip=cfg.skip_gates, gates=self.registry))
         failed_ranks = d.ranks_where(not report.passed, v.device)
         if failed_ranks and report.passed:
             report.results.append(gates.GateResult(

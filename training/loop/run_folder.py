@@ -51,7 +51,9 @@ class RunFolder:
             self.start_over = True
         if self.holds_run or self.force or not out.is_dir() or (out / layout.RUN_MARKER).exists():
             return
-        foreign = sorted((p.name for p in out.iterdir()), key=lambda n: (n in _OUR_NAMES, n))
+        # the lock file is this run's own (training.loop.run_lock, taken before this check): not the user's
+        foreign = sorted((p.name for p in out.iterdir() if p.name != layout.RUN_LOCK),
+                         key=lambda n: (n in _OUR_NAMES, n))
         if foreign:
             more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
             raise TrainError(f"{out} exists and is not a prodip run folder (it holds {foreign[0]!r}{more}); "

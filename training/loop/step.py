@@ -6,7 +6,9 @@ ModelViews holds the model in its three views, because each job needs another:
     `wrapped`        after DDP/FSDP2 (`model` itself single-process and under FSDP2, whose
                      parameters are then sharded DTensors): gradient sync, clipping, full state dicts
     `forward_model`  what a step calls: `wrapped`, whose blocks --compile compiled in place before
-                     wrapping (training.distributed.compile_blocks); kept apart for callers that time it
+                     wrapping (training.distributed.compile_blocks); in one process under bf16 autocast
+                     a CastOnce around it (training.loop.weight_cast: the block matrices cast to bf16
+                     once per optimizer step, not once per micro-batch); the gates call it too
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from training import gates, optim
 from training.config import ConfigError, TrainConfig
 from training.data import Batch
 from training.gates.runtime import first_nonfinite_index
+from training.loop.weight_cast import CastOnce
 from training.model import Transformer
 from training.schedule import lr_at
 
@@ -111,7 +114,12 @@ def build_views(model: Transformer, cfg: TrainConfig, d: D.Dist, device: torch.d
     wrapped = D.wrap(model, d, fsdp=cfg.fsdp, device=device, param_dtype=param_dtype,
                      reshard_after_forward=cfg.fsdp_reshard_after_forward)
     opt = (new_optimizer or (lambda m: optim.make_optimizer(m, cfg, device)))(wrapped)
-    return ModelViews(model, wrapped, wrapped, opt, autocast, device, param_dtype)
+    forward = wrapped
+    # one process in bf16: weights cast once per step (activation checkpointing recomputes each block after
+    # the step's call has returned, from the parameters themselves: nothing to reuse there)
+    if param_dtype is not None and not d.enabled and not cfg.activation_checkpointing:
+        forward = CastOnce(wrapped, param_dtype)
+    return ModelViews(model, wrapped, forward, opt, autocast, device, param_dtype)
 
 
 @dataclass
@@ -146,8 +154,12 @@ class TrainStep:
     (`apply`, after the host judged the values) or on the device without a host read (`apply_deferred`:
     fused AdamW skips a non-finite update itself)."""
 
-    def __init__(self, views: ModelViews, cfg: TrainConfig, d: D.Dist, lr_schedule: optim.Schedule = lr_at):
+    def __init__(self, views: ModelViews, cfg: TrainConfig, d: D.Dist, lr_schedule: optim.Schedule = lr_at,
+                 on_first_update: Callable[[ModelViews], None] | None = None):
         self.views, self.cfg, self.dist, self.lr_schedule = views, cfg, d, lr_schedule
+        # called once, after the first update this process applies (the optimizer's moments exist then):
+        # the Trainer's checkpointer allocates its save buffers there (Checkpointer.reserve)
+        self.on_first_update = on_first_update
         self.total_steps = total_steps(cfg, d)
         # fused AdamW skips a non-finite update on the device, so values can wait for the next read
         self.deferrable = optim.uses_fused(cfg, views.device) and not (cfg.fsdp and d.enabled)
@@ -160,14 +172,16 @@ class TrainStep:
         optim.set_lr(v.optimizer, lr)
         position = batches.state_dict()
         loss_sum = torch.zeros((), device=v.device)
-        for micro in range(cfg.grad_accum):
-            x, y, mask = to_device(batches.next_batch(cfg.batch_size), v.device)
-            sync = D.grad_sync(v.wrapped, d, fsdp=cfg.fsdp, last_micro=micro == cfg.grad_accum - 1)
-            with sync:  # entered once: DDP's no_sync() cannot be re-entered
-                with v.autocast():
-                    _, loss = v.forward_model(x, y, loss_mask=mask)  # the loss alone: no logits
-                (loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
+        hold = getattr(v.forward_model, "hold", contextlib.nullcontext)  # CastOnce: one cast per step
+        with hold():
+            for micro in range(cfg.grad_accum):
+                x, y, mask = to_device(batches.next_batch(cfg.batch_size), v.device)
+                sync = D.grad_sync(v.wrapped, d, fsdp=cfg.fsdp, last_micro=micro == cfg.grad_accum - 1)
+                with sync:  # entered once: DDP's no_sync() cannot be re-entered
+                    with v.autocast():
+                        _, loss = v.forward_model(x, y, loss_mask=mask)  # the loss alone: no logits
+                    (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach()
         loss = d.mean(loss_sum / cfg.grad_accum)
         # a non-finite norm leaves the gradients as they are, for the diagnostic to name the parameter
         norms: list[torch.Tensor] = []  # per-gradient norms, shared with first_nonfinite_index below
@@ -183,12 +197,19 @@ class TrainStep:
         """The update of a step whose values were read: applied when the checks let it through."""
         if r.applied:
             self.views.optimizer.step()
+            self._first_update()
         self.views.optimizer.zero_grad(set_to_none=True)
 
     def apply_deferred(self, r: StepResult) -> None:
         r.deferred = True
         optim.step_unless(self.views.optimizer, r.nonfinite)
+        self._first_update()
         self.views.optimizer.zero_grad(set_to_none=True)
+
+    def _first_update(self) -> None:
+        hook, self.on_first_update = self.on_first_update, None
+        if hook is not None:
+            hook(self.views)
 
     def timed(self, step: int, batches: BatchSource) -> torch.Tensor:
         """One whole step as a benchmark times it (no runtime checks): deferred where the run defers, else

@@ -20,7 +20,9 @@ from training.fertility import (
     DEFAULT_FERTILITY_RATIO,
     GATE_NAMES,
 )
+from training.prepare.decontam import SHIPPED_EVAL_SETS
 from training.prepare.errors import GateFailed, PrepareError
+from training.prepare.executor_flags import CLUSTER_FLAGS, add_cluster_flags, add_task_parser, cluster_options
 from training.prepare.memory import DEFAULT_MEMORY_GB
 from training.prepare.merge import merge
 from training.prepare.options import (
@@ -30,14 +32,17 @@ from training.prepare.options import (
     DEFAULT_VAL_FRACTION,
     DEFAULT_VOCAB_SIZE,
     OPTION_TYPES,
+    check_places,
 )
+from training.prepare.pipeline import _options as checked_options
 from training.prepare.pipeline import prepare
 from training.prepare.sources import TEXT_FIELD
 from training.schema import PositiveFloat, SchemaError, flag, one_of, parse
+from training.urls import local_path, local_text
 
 EXIT_GATE = 1
 NOT_OPTIONS = ("command", "input", "out", "skip_gate", "no_progress", "debug", "no_filters", "no_dedup",
-               "no_near_dedup", "no_shipped_eval", "shards")
+               "no_near_dedup", "no_shipped_eval", "shards", *CLUSTER_FLAGS)
 
 
 def _typed(option: str):
@@ -64,12 +69,12 @@ def _gate(text: str) -> str:
 
 
 def _add_cleaning(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quality", type=Path, default=None, metavar="FILE.toml",
+    p.add_argument("--quality", type=local_path, default=None, metavar="FILE.toml",
                    help="quality rules, dedup and decontamination settings (default: training/prepare/quality.toml)")
     p.add_argument("--no-filters", action="store_true", help="turn the quality rules off")
     p.add_argument("--no-dedup", action="store_true", help="keep exact and near duplicates")
     p.add_argument("--no-near-dedup", action="store_true", help="remove exact duplicates only")
-    p.add_argument("--decontaminate", action="append", default=[], type=Path, metavar="PATH",
+    p.add_argument("--decontaminate", action="append", default=[], type=local_path, metavar="PATH",
                    help="eval text/JSONL/JSON file or folder: training documents overlapping it are removed "
                         "(repeatable; the shipped SFT set is always checked)")
     p.add_argument("--no-shipped-eval", action="store_true",
@@ -84,13 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m training.prepare",
                        description="Corpus -> cleaned, deduplicated, decontaminated token shards + "
                                    "tokenizer + report, behind the tokenizer gates.")
-    p.add_argument("--input", action="append", default=None, metavar="PATH",
+    p.add_argument("--input", action="append", default=None, metavar="PATH", type=local_text,
                    help="file or folder (repeatable): .txt/.md, .jsonl, .parquet, .gz; or hf:NAME[:CONFIG][:SPLIT]")
-    p.add_argument("--out", type=Path, metavar="DATA_DIR")
+    p.add_argument("--out", type=local_path, metavar="DATA_DIR")
     p.add_argument("--vocab-size", type=_typed("vocab_size"), default=None, metavar="N",
                    help=f"tokenizer vocabulary (default {DEFAULT_VOCAB_SIZE})")
-    p.add_argument("--tokenizer", type=Path, default=None, metavar="FILE", help="use this tokenizer.model instead of training one")
-    p.add_argument("--extend-tokenizer", type=Path, default=None, metavar="BASE",
+    p.add_argument("--tokenizer", type=local_path, default=None, metavar="FILE", help="use this tokenizer.model instead of training one")
+    p.add_argument("--extend-tokenizer", type=local_path, default=None, metavar="BASE",
                    help="append pieces trained on the corpus to this tokenizer.model (an imported model's; ids of "
                         "its pieces unchanged) and use the result (docs/init_from.md)")
     p.add_argument("--add-pieces", type=_typed("add_pieces"), default=None, metavar="N",
@@ -122,15 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-gate", action="append", default=[], metavar="NAME", type=_gate,
                    help=f"record this gate as skipped instead of failing (repeatable): {', '.join(GATE_NAMES)}")
     _add_cleaning(p)
+    add_cluster_flags(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", metavar="{merge}")
-    m = sub.add_parser("merge", help="merge the DATA_DIRs of --num-shards machines into one",
-                       description="Check tokenizer hash, format and counts of shard data folders; write one.")
-    m.add_argument("shards", nargs="+", type=Path, metavar="SHARD_DIR")
-    m.add_argument("--out", type=Path, required=True, metavar="DATA_DIR")
+    sub = p.add_subparsers(dest="command", metavar="{merge,task}")
+    m = sub.add_parser("merge", help="merge the DATA_DIRs of --num-shards machines (or the WORK of --executor) into one",
+                       description="Check tokenizer hash, format and counts of shard data folders, or the finished "
+                                   "tasks of an --executor run's WORK folder; write one data folder.")
+    m.add_argument("shards", nargs="+", type=local_path, metavar="SHARD_DIR")
+    m.add_argument("--out", type=local_path, required=True, metavar="DATA_DIR")
     m.add_argument("--force", action="store_true", help="replace an existing DATA_DIR")
     m.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_task_parser(sub)
     return p
 
 
@@ -145,17 +153,32 @@ def _summary(meta: dict, out: Path, seconds: float) -> str:
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     t0 = time.perf_counter()
-    if args.command == "merge":
+    if args.command == "merge":  # merge checks its --out against the SHARD_DIRs itself
         meta = merge(args.shards, args.out, force=args.force)
         print(_summary(meta, args.out, time.perf_counter() - t0))
         return 0
+    if args.command == "task":  # inside a job that --executor slurm submitted
+        from training.prepare.executors import run_task
+
+        run_task(args.stage, args.work, args.workers, args.force)
+        return 0
     if not args.input or args.out is None:
         raise PrepareError("the following arguments are required: --input, --out")
+    x = cluster_options(args)
     opts = {k: v for k, v in vars(args).items() if k not in NOT_OPTIONS}
     # bars only on a terminal: in a log file or CI they would be noise around the one-line errors
     opts.update(skip_gates=args.skip_gate, progress=not args.no_progress and sys.stderr.isatty(), echo=True, filters=not args.no_filters,
                 dedup=not args.no_dedup, near_dedup=not args.no_near_dedup, shipped_eval_sets=not args.no_shipped_eval)
-    meta = prepare(args.input, args.out, **opts)
+    # every option's value first (a bad --mix is named as such), then --out against every input
+    check_places(args.input, args.out, checked_options(dict(opts)), () if args.no_shipped_eval else SHIPPED_EVAL_SETS)
+    if x is not None:
+        from training.prepare.executors import run_cluster  # datatrove: only when --executor is given
+
+        meta = run_cluster(args.input, args.out, opts, x)
+        if meta is None:  # submitted to Slurm: the merge job writes DATA_DIR
+            return 0
+    else:
+        meta = prepare(args.input, args.out, **opts)
     print(_summary(meta, args.out, time.perf_counter() - t0))
     if "mix" in meta:
         kept = ", ".join(f"{k} {v:.1%} (target {meta['mix']['target_char_share'][k]:.1%})"

@@ -21,7 +21,10 @@ from pathlib import Path
 
 from training import layout
 from training.fertility import fertility_gates, report_from_counts
+from training.files import Input, check_apart
 from training.gates import GateReport
+from training.prepare.cluster_merge import merge_tasks
+from training.prepare.cluster_plan import PLAN
 from training.prepare.errors import GateFailed, PrepareError
 from training.prepare.options import DATA_FORMAT_VERSION
 from training.prepare.pipeline import _check_out, finish
@@ -143,8 +146,12 @@ def _sum_sections(reports: list[dict]) -> dict:
 
 
 def merge(folders: list[Path], out: Path, *, force: bool = False) -> dict:
-    """Merge shard data folders into `out`; return its meta.json content. Raises PrepareError."""
+    """Merge shard data folders into `out`; return its meta.json content. Raises PrepareError.
+    One folder holding a task plan is an --executor run's WORK: its finished tasks are merged."""
     out = Path(out)
+    if len(folders) == 1 and (Path(folders[0]) / PLAN).is_file():
+        return merge_tasks(Path(folders[0]), out, force=force, echo=True)
+    check_apart("--out", out, [Input("SHARD_DIR", f) for f in folders], PrepareError)  # --force deletes an old out
     _check_out(out, force)
     items = _validate([Path(f) for f in folders])
     files = [_check_shard_files(f, m) for f, m, _ in items]

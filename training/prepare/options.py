@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -14,6 +15,7 @@ from training.fertility import (
     DEFAULT_FERTILITY_RATIO,
     GATE_NAMES,
 )
+from training.files import Input, check_apart
 from training.prepare.errors import PrepareError
 from training.prepare.memory import DEFAULT_MEMORY_GB
 from training.prepare.sources import TEXT_FIELD
@@ -109,6 +111,16 @@ class Options:
         if self.num_shards > 1 and self.tokenizer is None:
             raise PrepareError("--num-shards needs --tokenizer FILE: every shard must encode with the same "
                                "tokenizer (train it first with one ordinary prepare run)")
+
+
+def check_places(inputs: Sequence[str], out: Path, opt: Options, shipped_eval: Sequence[Path] = ()) -> None:
+    """--out apart from everything the run reads (training.files.check_apart): with --force the old DATA_DIR
+    is deleted once the new one is in place, so an --out that is, holds or lies in an input would take
+    the corpus (or the tokenizer, quality rules, eval sets) with it."""
+    check_apart("--out", out, [*(Input("--input", i) for i in inputs), Input("--tokenizer", opt.tokenizer),
+                               Input("--extend-tokenizer", opt.extend_tokenizer), Input("--quality", opt.quality),
+                               *(Input("--decontaminate", d) for d in opt.decontaminate),
+                               *(Input("the shipped eval set", p) for p in shipped_eval)], PrepareError)
 
 
 MIX_SUM_SLACK = 1e-9  # decimal shares in binary floats: 0.7 + 0.2 + 0.1 is 0.9999999999999999

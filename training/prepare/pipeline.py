@@ -58,6 +58,20 @@ def _check_out(out: Path, force: bool) -> None:
         raise PrepareError(f"{out} already exists; pass --force to replace it")
 
 
+
+def write_report(tmp: Path, opt: Options, report: dict, greport, stats: dict, sections: dict, memory: dict,
+                 extra: dict) -> None:
+    """report.json, report.md and the fertility plot of a data folder being written (one process, or the
+    cluster merge: the same bytes for the same corpus)."""
+    full = {"fertility": report, "gates": [g.to_dict() for g in greport.results],
+            "gate_options": {"fertility_floor": opt.fertility_floor, "fertility_ratio": opt.fertility_ratio,
+                             "balance_range": list(opt.balance_range), "skip_gates": opt.skip_gates},
+            "splits": stats, **sections, "memory": memory, **extra}
+    _write_json(tmp / layout.DATA_REPORT, full)
+    (tmp / layout.DATA_REPORT_MD).write_text(report_md(report, greport, stats, sections), encoding="utf-8")
+    plot_report(report, tmp / FERTILITY_PNG, floor=opt.fertility_floor)
+
+
 def finish(tmp: Path, out: Path) -> None:
     """Move the finished folder into place; an old DATA_DIR (with --force) goes only after that."""
     old = None
@@ -187,17 +201,12 @@ def prepare(inputs: list, out: Path, **options) -> dict:
                 raise PrepareError(f"the {split} split is empty; add text or change --val-fraction")
         meta = _meta(inputs, cr, opt, tok, stats, kept_chars, keep, trained=given is None)
         _write_json(tmp / layout.DATA_META, meta)
-        full = {"fertility": report, "gates": [g.to_dict() for g in greport.results],
-                "gate_options": {"fertility_floor": opt.fertility_floor, "fertility_ratio": opt.fertility_ratio,
-                                 "balance_range": list(opt.balance_range), "skip_gates": opt.skip_gates},
-                "splits": stats, **sections, "memory": plan.to_dict()}
+        extra = {}
         if before is not None:  # the same held-out documents through the base tokenizer: before / after
-            full["fertility_before_extension"] = before
+            extra["fertility_before_extension"] = before
         if opt.num_shards > 1:
-            full["shard"] = meta["shard"]
-        _write_json(tmp / layout.DATA_REPORT, full)
-        (tmp / layout.DATA_REPORT_MD).write_text(report_md(report, greport, stats, sections), encoding="utf-8")
-        plot_report(report, tmp / FERTILITY_PNG, floor=opt.fertility_floor)
+            extra["shard"] = meta["shard"]
+        write_report(tmp, opt, report, greport, stats, sections, plan.to_dict(), extra)
         finish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
