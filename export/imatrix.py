@@ -46,6 +46,7 @@ from export.imatrix_torch import torch_imatrix
 from export.llama_tools import run_tool
 from export.manifest import made_folder
 from training import layout
+from training.files import Input, check_apart
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "training" / "assets" / "calibration"
 DEFAULT_CALIBRATION = CALIBRATION_DIR / "calibration_bn.txt"
@@ -259,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(args) -> None:
         if args.command == "compute":
+            check_apart("--out", args.out, [Input("MODEL", args.model), Input("--text", args.text)], ExportError)
             out = compute_imatrix(args.model, args.text, args.out, chunk_tokens=args.chunk, threads=args.threads,
                                   force=args.force)
             print(f"wrote {out} ({len(imatrix_entries(out))} weights)")
         else:
+            check_apart("DST", args.dst, [Input("SRC", args.src), Input("--imatrix", args.imatrix)], ExportError)
             out = quantize_with_imatrix(args.src, args.dst, args.type, args.imatrix, threads=args.threads,
                                         force=args.force)
             print(f"wrote {out}")

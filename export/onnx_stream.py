@@ -42,6 +42,7 @@ def is_onnx_folder(folder: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     from export.manifest import default_out_dir, load_source, made_folder
     from training.cli import run_main
+    from training.files import Input, check_apart
 
     def run(args) -> None:
         if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "folder; use a new or empty folder, or --force to write into it (nothing was written)")
         src = load_source(args.path, args.step)
         out = args.out or default_out_dir(src) / layout.ONNX_DIR
+        run_dir = src.run_dir  # never write where it reads (RUN/export/onnx is the run's own)
+        check_apart("--out", out, [Input("CHECKPOINT_DIR", src.path), Input("RUN_DIR", run_dir, out_inside_ok=True),
+                                   Input("RUN_DIR", run_dir and run_dir / layout.CHECKPOINTS)], OnnxExportError)
         t0 = time.perf_counter()
         with made_folder(out):  # a failed export leaves no empty --out behind
             paths = export_onnx(src, out, int8=args.int8, int4=args.int4, force=args.force, check=not args.no_check)

@@ -151,6 +151,34 @@ def test_export_out_apart_from_the_run(out, own_run, tmp_path, capsys):
     assert tree_digest(own_run) == before
 
 
+
+@pytest.mark.parametrize("out", ["{run}", "{run}/checkpoints", "{ckpt}", "{ckpt}/onnx"])
+def test_onnx_stream_out_apart_from_the_run(out, own_run, capsys):
+    """`python -m export.onnx_stream RUN --out` (docs/onnx.md) keeps the rule too, --force included."""
+    ckpt = next((own_run / layout.CHECKPOINTS).iterdir())
+    before = tree_digest(own_run)
+    line = one_error(*call_main("export.onnx_stream", [own_run, "--out", out.format(run=own_run, ckpt=ckpt),
+                                                       "--force"], capsys), "--out")
+    assert "RUN_DIR" in line or "CHECKPOINT_DIR" in line, line
+    assert tree_digest(own_run) == before
+
+
+def test_imatrix_outputs_apart_from_their_inputs(tmp_path, capsys):
+    """`python -m export.imatrix`: --out over the model or the calibration text, DST over SRC or the
+    matrix, each refused before llama.cpp's tools run (so no model is needed), --force included."""
+    model, text, mat = tmp_path / "m.gguf", tmp_path / "c.txt", tmp_path / "m.imatrix"
+    for f in (model, text, mat):
+        f.write_bytes(b"user's file")
+    before = tree_digest(tmp_path)
+    cases = [(["compute", model, "--out", model, "--force"], "MODEL"),
+             (["compute", model, "--text", text, "--out", text, "--force"], "--text"),
+             (["quantize", model, model, "--imatrix", mat, "--force"], "SRC"),
+             (["quantize", model, mat, "--imatrix", mat, "--force"], "--imatrix")]
+    for argv, named in cases:
+        line = one_error(*call_main("export.imatrix", argv, capsys), named)
+        assert "never writes where it reads" in line, line
+    assert tree_digest(tmp_path) == before
+
 def test_evaluate_out_apart_from_its_inputs(own_run, tmp_path, capsys):
     texts = tmp_path / "texts"
     texts.mkdir()
