@@ -16,6 +16,7 @@ Signals are timed by steps (records in log.jsonl), never by seconds.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -322,6 +323,34 @@ def test_async_writer_writes_the_state_at_the_save_not_later(tiny_state, tmp_pat
     assert all(torch.equal(saved[k] + 1.0, moments[k]) for k in saved if not k.endswith("/step"))
     assert len(w.stall_s) == len(w.write_s) == 1
 
+
+
+def test_fresh_gathered_state_is_written_as_of_the_save_even_its_step_counters(tiny_state, tmp_path):
+    """FSDP2's gathered state (`fresh=True`) is written without another copy, but get_optimizer_state_dict
+    hands back the optimizer's non-DTensor entries (AdamW's 0-dim `step`) as the live tensors: the
+    optimizer's next step increments them in place. Caught in CI as a step-4 checkpoint whose counters
+    said 5; here the write is held behind a gate until the live tensors have moved on."""
+    import threading
+
+    model, cfg, tok, moments, groups = tiny_state
+    fresh = {k: v.clone() for k, v in moments.items()}  # the gathered copies...
+    steps = [k for k, v in fresh.items() if v.dim() == 0]
+    assert steps, sorted(fresh)[:4]  # the tiny state holds AdamW step counters to alias
+    live = {k: torch.tensor(4.0) for k in steps}
+    fresh.update(live)  # ...except the counters: the optimizer's own tensors
+    w = ckpt.CheckpointWriter(asynchronous=True)
+    gate = threading.Event()
+    w._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    w._pool.submit(gate.wait)  # the writer thread is busy until the training below has moved on
+    w.save(tmp_path, 1, weights=ckpt.drop_tied(model.state_dict(), cfg), cfg=cfg, tokenizer=tok,
+           optim_tensors=fresh, rng={"torch_cpu": torch.get_rng_state()},
+           state={"tokens": 1, "data": {}, "optimizer_param_groups": groups}, fresh=True)
+    for v in live.values():  # the next optimizer step
+        v.add_(1.0)
+    gate.set()
+    w.close()
+    saved, _ = ckpt.load(tmp_path).optimizer_and_rng(strict=True)
+    assert all(saved[k].item() == 4.0 for k in steps), {k: saved[k].item() for k in steps}
 
 def test_nonfinite_state_is_refused_before_any_copy(tiny_state, tmp_path):
     model, cfg, tok, moments, groups = tiny_state

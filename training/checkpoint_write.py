@@ -314,6 +314,9 @@ class CheckpointWriter:
             return
         if fresh and all(v.device.type == "cpu" for v in (*weights.values(), *optim_tensors.values())):
             weights = {k: v.to(torch.float32) for k, v in weights.items()}  # no copy when already fp32
+            # FSDP2 gathers DTensors only: the optimizer's 0-dim entries (AdamW's `step`) come back as the
+            # live tensors, which the next optimizer step increments in place while this thread writes
+            optim_tensors = {k: v.clone() if v.dim() == 0 else v for k, v in optim_tensors.items()}
         else:
             weights = self._stage("model/", weights, torch.float32)
             optim_tensors = self._stage("optim/", optim_tensors)
