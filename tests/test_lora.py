@@ -239,8 +239,10 @@ def test_the_lora_gguf_is_what_llama_cpp_loads_and_matches_pytorch(exported, lor
     assert names["blk.1.ffn_down.weight.lora_b"] == [4, 256] and names["blk.0.attn_k.weight.lora_b"] == [4, 128]
     report = json.loads((exported / "lora_parity.json").read_text())
     (f16,) = [x for x in report["results"] if x["kind"] == "llama.cpp-F16+lora"]
-    # the PyTorch fp32 base + adapter against llama.cpp base F16 + adapter at run time: measured KL ~1e-7
-    assert report["passed"] and f16["greedy_equal"] == f16["greedy_prompts"] == 4 and f16["kl"] <= 1e-4, f16
+    # the PyTorch fp32 base + adapter against llama.cpp base F16 + adapter at run time: measured KL 9.7e-8 on
+    # this model (the product's bound, 1e-4, is for any user's model); ~3x the measurement here, so an adapter
+    # written slightly wrong (unreordered Q/K rows measured 0.197) or a lost fp16 digit in it fails this test
+    assert report["passed"] and f16["greedy_equal"] == f16["greedy_prompts"] == 4 and f16["kl"] <= 3e-7, f16
     assert f16["positions"] > 0
 
 
