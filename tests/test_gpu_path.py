@@ -110,9 +110,9 @@ def test_the_compiled_loss_chunk_is_the_eager_chunks_math_and_runs_where_asked(m
     ti, scale = torch.randint(0, V, (rows,), generator=g), torch.full((), 1 / rows)
     ce_a, g_a = M._ce_chunk(hi, wc, ti, scale)
     ce_b, g_b = M._ce_chunk_fusible(hi, wc, ti, scale)
-    # measured: ce 2.2e-8 rel. (fp32 logsumexp vs log_softmax), d logits 0.0; allowed: 1e-6 and one bf16
+    # measured: ce 2.2e-8 rel. (fp32 logsumexp vs log_softmax), d logits 0.0; allowed: 1e-7 (~4x) and one bf16
     # unit roundoff (2^-8), as each form rounds (softmax - onehot) * scale to bf16 once
-    assert G.rel_error(ce_b, ce_a) <= 1e-6 and G.rel_error(g_b.float(), g_a.float()) <= 2.0**-8
+    assert G.rel_error(ce_b, ce_a) <= 1e-7 and G.rel_error(g_b.float(), g_a.float()) <= 2.0**-8
     calls: list[int] = []
 
     def traced():  # dynamo alone (no Inductor): the body traces whole, inside the autograd Function
@@ -136,8 +136,9 @@ def test_the_compiled_loss_chunk_is_the_eager_chunks_math_and_runs_where_asked(m
     torch._dynamo.reset()
     got = loss_and_grads()
     torch._dynamo.reset()
-    assert calls and G.rel_error(got[0], ref[0]) <= 1e-6  # measured 0.0 (loss) and 0.0 (gradients)
-    assert max(G.rel_error(a, b) for a, b in zip(got[1], ref[1], strict=True)) <= 2.0**-8
+    # dynamo's eager backend runs the same ops in the same order: measured bit-identical, so required
+    assert calls and torch.equal(got[0], ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1], strict=True))
 
 
 # ----------------------------------------------------------------- the bf16 tolerance of the gate
