@@ -73,9 +73,12 @@ if [ "$DEV" = 1 ]; then
   need=()
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
   if ! fc-list :lang=bn 2>/dev/null | grep -q .; then need+=(fonts-noto-core); fi
+  # the ARM parity row: llama.cpp cross-built for aarch64 (scripts/build_llama_arm.sh), run under qemu-user
+  command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 || need+=(g++-aarch64-linux-gnu)
+  command -v qemu-aarch64 >/dev/null 2>&1 || need+=(qemu-user)
   if [ "${#need[@]}" -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      log "installing ${need[*]} (Debian) for the browser test"
+      log "installing ${need[*]} (Debian) for the browser and ARM tests"
       apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
     else
       log "${need[*]} not installed and not root: the browser test will skip (no chromium) or fail (no Bengali font)"
@@ -90,6 +93,19 @@ if [ "$DEV" = 1 ]; then
   fi
 else
   "${PIP[@]}" -e .
+fi
+# The browser runtimes `python -m export web` copies (wllama, onnxruntime-web; transformers.js for its test),
+# pinned in export/site/package-lock.json: `npm ci` once per lock (--ignore-scripts: onnxruntime-node's
+# postinstall would download). The page itself needs no npm; without npm only `export web` says what is missing.
+if command -v npm >/dev/null 2>&1; then
+  lock_sum=$(sha256sum export/site/package-lock.json | cut -c1-16)
+  if [ "$(cat export/site/node_modules/.prodip-lock 2>/dev/null)" != "$lock_sum" ]; then
+    log "installing the web export's pinned browser runtimes (npm ci in export/site, ~10 s, ~630 MB)"
+    (cd export/site && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >/dev/null)
+    echo "$lock_sum" > export/site/node_modules/.prodip-lock
+  fi
+else
+  log "npm not found: python -m export web needs the pinned browser runtimes (install Node.js, rerun this script)"
 fi
 if [ "$LLAMA_TOOLS" = 1 ]; then
   PRODIP_PYTHON="$PY" PRODIP_LLAMA_CMAKE="$LLAMA_CMAKE" bash scripts/build_llama_tools.sh >/dev/null
