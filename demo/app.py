@@ -19,6 +19,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no teleme
 import threading
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 
 import gradio as gr
 
@@ -36,6 +37,8 @@ from demo.models import (
 from demo.tokens import MAX_TOKENIZE_CHARS, N_COLOURS, token_view
 from serving import Backend, SamplingParams, load
 from serving.chat_session import PromptTooLong, chat_stream, chat_tuned, completion_stream
+from serving.llamacpp_lora import BASE_ONLY
+from serving.lora_pairs import Pairs
 from training.evaluate.generate import PROMPTS, read_prompts
 
 __all__ = ["DemoError", "ModelEntry", "build_app", "default_model", "discover_models", "launch"]
@@ -70,27 +73,34 @@ TOKEN_COLOURS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fecaca", "#ddd6fe", "#fed7aa
 
 
 class ModelPool:
-    """Backends loaded on first use, each with its own lock: one generation at a time per model."""
+    """Backends loaded on first use, each with its own lock: one generation at a time per model. The LoRA
+    pairs of one base GGUF (and the base alone) share its one backend and lock: the base is loaded once with
+    all their adapters, and each pair is a view that sets its adapter per generation (serving.lora_pairs)."""
 
     def __init__(self, entries: list[ModelEntry], threads: int | None = None):
         self.entries = {e.label: e for e in entries}
         self.threads = threads
-        self._backends: dict[str, Backend] = {}
-        self._locks = {e.label: threading.Lock() for e in entries}
+        self._backends: dict[tuple[str, Path], Backend] = {}  # by (runtime, model path): a pair's base once
+        self._locks = {(e.backend, e.path): threading.Lock() for e in entries}
         self._load_lock = threading.Lock()
 
     def get(self, label: str) -> tuple[Backend, threading.Lock]:
         if label not in self.entries:
             raise DemoError(f"মডেলটি পাওয়া যায়নি (model not found): {label!r}")
+        e = self.entries[label]
+        key = (e.backend, e.path)
+        lora = {x.adapter_name: x.adapter for x in self.entries.values() if (x.backend, x.path) == key and x.adapter}
         with self._load_lock:
-            if label not in self._backends:
-                e = self.entries[label]
+            if key not in self._backends:
                 kwargs = {"threads": self.threads} if self.threads else {}
                 try:
-                    self._backends[label] = load(e.path, backend=e.backend, **kwargs)
+                    self._backends[key] = load(e.path, backend=e.backend, **kwargs, **({"lora": lora} if lora else {}))
                 except (ValueError, OSError) as err:
                     raise DemoError(f"মডেলটি খোলা গেল না (could not load {e.path}): {err}") from None
-        return self._backends[label], self._locks[label]
+        backend = self._backends[key]
+        if lora:  # one of the base's pairs, or the base alone
+            backend = Pairs.of(backend).view(backend, e.adapter_name or BASE_ONLY)
+        return backend, self._locks[key]
 
     def chat_tuned(self, label: str) -> bool | None:
         """Whether the model was chat fine-tuned (GGUF metadata, else its run files); None: unknown."""

@@ -209,6 +209,9 @@ def model_card(entry: ModelEntry, backend: Backend | None = None) -> Card:
     rows = card.rows
     rows.append(("runtime", f"{entry.backend}" + (f" ({backend.name}, context {backend.n_ctx})" if backend else "")))
     rows.append(("file", file_row(entry)))
+    if entry.adapter is not None:  # a LoRA pair: the base above, the adapter llama.cpp applies to it at run time
+        rows.append(("LoRA adapter", f"{file_row(ModelEntry(entry.label, entry.adapter, entry.backend))} "
+                                     f"on the base {entry.path.name}"))
     info = describe(backend) if backend is not None else {}
     if not prodip:
         rows.append(("kind", FOREIGN_NOTE))
@@ -219,7 +222,7 @@ def model_card(entry: ModelEntry, backend: Backend | None = None) -> Card:
         rows.append(("quantization", str(info["quant"])))
     rows.append(("model type", MODEL_TYPE[chat_tuned(backend, entry.path) if backend is not None
                                           else run_chat_tuned(entry.path)]))
-    run = layout.run_dir_of(entry.path)
+    run = layout.run_dir_of(entry.adapter or entry.path)  # a pair's facts are its adapter run's (and its base's)
     chain = run_chain(run)
     if chain:
         rows.append(("run", f"{run} ({chain[0][1].get('kind', '?')})"))
@@ -228,4 +231,7 @@ def model_card(entry: ModelEntry, backend: Backend | None = None) -> Card:
     rows.append(("held-out bits/byte", bpb_row(chain)))
     rows.append(("training gates", gates_row(chain)))
     rows.append(("parity vs fp32", parity_row(entry, run)))
+    if run is not None and (run / layout.EXPORT / "web" / "index.html").is_file():  # `python -m export web`
+        rows.append(("run it on this device", f"`python -m serving {run} --web`, then open the URL it prints: "
+                                              "the chat runs in your browser (docs/web.md)"))
     return card

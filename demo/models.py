@@ -29,8 +29,46 @@ class DemoError(ValueError):
 @dataclass(frozen=True)
 class ModelEntry:
     label: str
-    path: Path
+    path: Path  # the model (for a LoRA pair: its base GGUF)
     backend: str  # "llama.cpp" | "onnx" | "torch"
+    adapter: Path | None = None  # a LoRA GGUF applied to `path` at run time (serving.lora_pairs)
+
+    @property
+    def adapter_name(self) -> str | None:
+        return self.adapter.stem if self.adapter is not None else None
+
+
+def is_lora_gguf(path: Path) -> bool:
+    """A LoRA adapter GGUF (general.type "adapter"), which is applied to a base, not served alone."""
+    import gguf
+
+    try:
+        f = gguf.GGUFReader(path).fields.get(gguf.Keys.General.TYPE)
+    except Exception:  # noqa: BLE001 - gguf-py raises ValueError, struct errors ... on a broken file: no adapter
+        return False
+    return f is not None and f.contents() == "adapter"
+
+
+def with_adapters(entries: list[ModelEntry]) -> list[ModelEntry]:
+    """Each LoRA GGUF among `entries` paired with every base GGUF there that it fits (right after the base);
+    the adapter file itself is no model. An adapter without a base is a DemoError naming it."""
+    from serving.backend import ServingError
+    from serving.llamacpp_lora import NAME, check_adapter
+
+    loras = [e for e in entries if e.backend == "llama.cpp" and is_lora_gguf(e.path)]
+    out = []
+    for e in (x for x in entries if x not in loras):
+        out.append(e)
+        for a in (x.path for x in loras if e.backend == "llama.cpp" and NAME.fullmatch(x.path.stem)):
+            try:
+                check_adapter(e.path, a)
+            except ServingError:
+                continue  # an adapter of another base: not offered with this one
+            out.append(ModelEntry(f"{e.label} + LoRA {a.stem}", e.path, e.backend, a))
+    if loras and not out:
+        raise DemoError(f"{loras[0].path} is a LoRA adapter, not a model: pass its base GGUF (--model BASE.gguf) "
+                        "or the adapter run's folder")
+    return out
 
 
 def entry_for(path: Path) -> ModelEntry:
@@ -89,6 +127,7 @@ def discover_models(model: Path) -> list[ModelEntry]:
         raise DemoError(f"model not found: {model}; {QUICKSTART_HINT}")
     entries = [entry_for(model)]
     run = layout.run_dir_of(model)
+    found: list[Path] = []
     if run is not None:
         export = run / layout.EXPORT
         found = [p for p in sorted((export / layout.GGUF_DIR).glob("*.gguf"))
@@ -96,14 +135,16 @@ def discover_models(model: Path) -> list[ModelEntry]:
                  if not p.name.startswith(".")]  # hidden: an exporter's temporary file
         if latest(run) is not None:
             found.append(run)
-        seen = {model.resolve()}
-        for p in found:
-            if p.resolve() not in seen:
-                seen.add(p.resolve())
-                entries.append(entry_for(p))
+    if model.suffix == ".gguf":  # LoRA GGUFs beside a GGUF (export --out's folder, not in a run)
+        found += [p for p in sorted(model.parent.glob("*.gguf")) if not p.name.startswith(".") and is_lora_gguf(p)]
+    seen = {model.resolve()}
+    for p in found:
+        if p.resolve() not in seen:
+            seen.add(p.resolve())
+            entries.append(entry_for(p))
     if model.suffix in (".gguf", ".onnx"):
-        return [entries[0], *rank(entries[1:], run)]
-    return rank(entries, run)
+        return with_adapters([entries[0], *rank(entries[1:], run)])
+    return with_adapters(rank(entries, run))
 
 
 def quickstart_gguf_dir(out: Path) -> Path:

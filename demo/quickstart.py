@@ -8,6 +8,7 @@ exists, so a second run opens the demo at once. Everything lands under --out:
     OUT/data/   the prepared corpus (tokenizer, shards, fertility report)
     OUT/base/   the pretrained run          OUT/chat/  the chat fine-tuned run
     OUT/chat/export/{hf/, onnx/, gguf/chat-Q4_K_M.gguf (and -F16, -Q8_0), parity.md, README.md}
+    OUT/chat/export/web/   the chat as a static page that runs in the browser (`python -m serving OUT/chat --web`)
     OUT/chat/eval/eval.json   bits/byte of the model and of its random-init twin (the demo's card)
 """
 
@@ -35,6 +36,7 @@ from demo.models import (
     QUICKSTART_RUN,
     quickstart_gguf_dir,
 )
+from export.web import WEB_DIR
 from training import checkpoint as ckpt
 from training import layout
 from training.cli import ArgumentParser, run_main
@@ -53,6 +55,7 @@ TRAIN_PY = Path(training.__file__).resolve().parent / "train.py"
 SFT_PY = Path(training.__file__).resolve().parent / "sft.py"
 EVAL_JSON = OUTPUT_FILES[0]  # eval.json
 EXIT_PARITY_BREACH = 1  # `python -m export`: files written, a parity threshold breached
+WEB_PAGE = "index.html"  # export web's wllama page (the GGUF in the browser)
 
 # The recipe, chosen by measured held-out bits per byte (training/assets/eval/heldout_bn.txt) in short
 # probes on the shipped corpus; docs/eval.md has the table. The corpus is small (~34 k training tokens at
@@ -167,6 +170,8 @@ def build(a: argparse.Namespace) -> bool:
         rc = stage("export + parity", [py, "-m", "export", "all", str(chat), "--q8", "--q4", "--f16", "--int8", "--int4"],
                    tolerate=(EXIT_PARITY_BREACH,))
         breached = rc == EXIT_PARITY_BREACH
+    if not (chat / layout.EXPORT / WEB_DIR / WEB_PAGE).is_file():  # the page that runs on the visitor's device
+        stage("web export", [py, "-m", "export", "web", str(chat), "--force"])
     # the card's "bits/byte vs random-init twin" (seconds at this size); after export, so the exported
     # model card (export/README.md) gets the evaluation section too
     if not (chat / EVAL_DIR / EVAL_JSON).is_file():
@@ -187,6 +192,8 @@ def run(a: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"\nquickstart ready in {time.perf_counter() - t0:.0f} s: run folder {chat}, exports in {export_dir}, "
           f"parity report {export_dir / layout.PARITY_MD}")
+    print(f"the chat in your browser, on your own device: python -m serving {chat} --web "
+          f"(the page: {export_dir / WEB_DIR / WEB_PAGE}; docs/web.md)")
     if a.no_demo:
         return EXIT_PARITY_BREACH if breached else 0
     ggufs = sorted(quickstart_gguf_dir(a.out).glob(QUICKSTART_GGUF_GLOB))

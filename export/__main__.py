@@ -1,4 +1,4 @@
-"""python -m export {safetensors,onnx,gguf,all,parity} RUN_DIR|CHECKPOINT_DIR [--out DIR] [--step N] [--force]
+"""python -m export {safetensors,onnx,gguf,all,parity,web} RUN_DIR|CHECKPOINT_DIR [--out DIR] [--step N] [--force]
    python -m export verify EXPORT_DIR   (every file against manifest.json's sha256: export.verify)
 
 Writes under RUN_DIR/export/ by default (hf/, onnx/, gguf/, manifest.json, README.md) and prints what
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from export import ExportError
+from export.arm_parity import arm_results, check_arm_flag
+from export.browser_parity import add_browser_flag, check_browser_flag, with_browser_rows
 from export.manifest import (
     Manifest,
     Source,
@@ -31,6 +33,7 @@ from export.manifest import (
     load_source,
     made_folder,
 )
+from export.web import add_web_flags, web_after_all, web_command
 from training import layout
 from training.cli import ArgumentParser, run_main
 from training.files import Input, check_apart
@@ -40,7 +43,7 @@ from training.urls import local_path
 if TYPE_CHECKING:
     from training.remote import Remote
 
-COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity", "verify")
+COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity", "verify", "web")
 DEFAULT_GGUF = ("F16", "Q8_0", "Q4_K_M")
 IMATRIX_DEFAULT_TEXT = Path("-")  # `--imatrix` without a value: export.imatrix.DEFAULT_CALIBRATION
 EXIT_PARITY = 1  # files written, a parity threshold breached (bad input exits 2 through training.cli)
@@ -89,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--new-tokens", type=flag(PositiveInt), default=None,
                    help=f"greedy continuation length (default 16, at most {MAX_NEW_TOKENS})")
     q.add_argument("--texts", type=local_path, help="extra texts (one per line) for tokenizer parity")
+    q.add_argument("--arm", action="store_true", help="also run each GGUF on llama.cpp's aarch64 kernels (docs/arm.md)")
+    add_browser_flag(q)
+    add_web_flags(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -244,6 +250,7 @@ def check_options(args: argparse.Namespace) -> None:
     if args.new_tokens is not None and args.new_tokens > MAX_NEW_TOKENS:
         raise ExportError(f"--new-tokens = {args.new_tokens}: at most {MAX_NEW_TOKENS}")
     parse_thresholds(args.threshold)
+    check_arm_flag(args)  # with --arm, the aarch64 runner must exist before anything is written
     if args.command in ("gguf", "all"):
         from export.gguf import canonical_type
 
@@ -336,11 +343,13 @@ def run(args: argparse.Namespace) -> int:
         from export.verify import run_verify
 
         return run_verify(args, vars(build_parser().parse_args(["verify", "EXPORT_DIR"])))
+    if (code := web_command(args, vars(build_parser().parse_args(["web", "RUN"])))) is not None:  # export.web
+        return code
     check_options(args)
     thresholds = parse_thresholds(args.threshold)
     extra = read_texts(args.texts)
     store = pull_url(args) if isinstance(args.path, str) else None
-    from export.lora_gguf import export_adapter_run  # an adapter run (sft.py --lora-rank) exports there
+    from export.lora_export import export_adapter_run  # an adapter run (sft.py --lora-rank) exports there
 
     if (adapter := export_adapter_run(args, gguf_types(args))) is not None:
         return adapter
@@ -348,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
     check_gates(src)
     out = args.out or default_out_dir(src)
     check_apart("--out", out, inputs_of(src, args), ExportError)
+    if args.browser:  # Chromium, Playwright and RUN/export/web/ before anything runs (export.browser_parity)
+        check_browser_flag(args.command, out)
     if args.command == "parity":
         manifest = Manifest.read(out)
         check_threshold_kinds(manifest, args)
@@ -361,6 +372,9 @@ def run(args: argparse.Namespace) -> int:
     passed = True
     if args.command == "parity" or not args.no_parity:
         kw = {"n_new": args.new_tokens} if args.new_tokens else {}
+        if args.arm:  # rows "llama.cpp aarch64 (emulated)"
+            kw["extra_rows"] = arm_results
+        kw["extra_rows"] = with_browser_rows(kw.get("extra_rows")) if args.browser else kw.get("extra_rows")
         report = run_parity(out, src, thresholds=thresholds, extra_texts=extra,
                             progress=lambda m: print(m, file=sys.stderr), **kw)
         print(report.table())
@@ -370,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
             why = "no backend was compared" if not report.results else "parity thresholds breached"
             print(f"error: {why} (see {layout.PARITY_MD})", file=sys.stderr)
     print(f"wrote {write_card(src, out, manifest)}")
+    web_after_all(args, out)  # `all --web`, after the card (the site shows it)
     if store is not None and passed:
         write_back_verified(store, out, src, args)
     return 0 if passed else EXIT_PARITY

@@ -95,6 +95,7 @@ def render(src: Source, out_dir: Path, manifest: Manifest) -> str:
         from training.fertility import format_table
 
         out += [f"Fertility on held-out text of `{data_dir}`:", "", format_table(report), ""]
+    out += adapter_section(src, manifest)
     gates = gates_table(src)
     if gates:
         out += ["## Training gates", "", gates, ""]
@@ -121,8 +122,43 @@ def render(src: Source, out_dir: Path, manifest: Manifest) -> str:
             "# llama.cpp / ollama",
             "ollama create prodip -f gguf/Modelfile && ollama run prodip",
             "python -m serving gguf/<file>.gguf",
+            *adapter_use(manifest),
             "```", ""]
     return "\n".join(out)
+
+
+def adapter_section(src: Source, manifest: Manifest) -> list[str]:
+    """An adapter run's card names the base (path + sha256 of its weights) and the adapter (training.lora_run)."""
+    lora = src.state.get("lora")
+    if not isinstance(lora, dict):
+        return []
+    spec, base = lora.get("spec") or {}, lora.get("base") or {}
+    onnx = any(e.get("merged") and e["format"] == "onnx" for e in manifest.files().values())
+    return ["## LoRA adapter", "",
+            f"This export is a LoRA adapter trained on a frozen base (`training/sft.py --lora-rank`); "
+            f"`{manifest.data['source']['checkpoint']}` holds the adapter alone.", "",
+            f"- base: `{base.get('path')}` (its `model.safetensors` sha256 `{base.get('sha256')}`)",
+            f"- adapter: rank {spec.get('rank')}, alpha {spec.get('alpha')}, dropout {spec.get('dropout')}, "
+            f"on the linears {', '.join(spec.get('targets', []))} of every block",
+            "- files: the base's GGUF files with the adapter as a llama.cpp LoRA GGUF (`*-lora-F32.gguf`), or "
+            "`*-merged-*.gguf` with it folded in; `hf/` (the base) with `hf-lora/` (the adapter in PEFT's layout)",
+            *(["- ONNX (`onnx/`): base + adapter **merged** into the weights (ONNX applies no adapter at run time)"]
+              if onnx else []),
+            "- parity: against the PyTorch fp32 base + adapter", ""]
+
+
+def adapter_use(manifest: Manifest) -> list[str]:
+    out = []
+    if manifest.files("hf-lora"):
+        out += ["# transformers + PEFT: the base with the adapter",
+                "python -c \"from peft import PeftModel; from transformers import AutoModelForCausalLM; "
+                "m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('hf'), 'hf-lora')\""]
+    lora = next(iter(manifest.files("gguf-lora")), None)
+    base = next((rel for rel, e in manifest.files("gguf").items() if e["type"] == "F16" and not e.get("merged")), None)
+    if lora and base:
+        out += ["# llama.cpp: the base GGUF with the adapter applied at run time",
+                f"python -m serving {base} --lora {lora}"]
+    return out
 
 
 KEPT_SECTION = re.compile(r"<!-- prodip:([\w-]+):begin -->.*?<!-- prodip:\1:end -->", flags=re.S)

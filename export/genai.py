@@ -33,6 +33,8 @@ from pathlib import Path
 from export import ExportError
 from export.hf import SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, special_tokens_map, tokenizer_config
 from export.hf_tokenizer import write_tokenizer_json
+from export.onnx_weights import external_data_files
+from serving.backend import SamplingParams
 from serving.onnxrt import CONFIG_FILE, TOKENIZER_FILE, VARIANT_FILES, read_config
 from training.tokenizer import Tokenizer
 
@@ -68,9 +70,11 @@ def genai_config(onnx_cfg: dict, model_file: str) -> dict:
                 "outputs": {"logits": "logits", "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE},
             },
         },
-        # greedy by default: the same first tokens as our ONNX Runtime backend; apps override per request
+        # greedy by default: the same first tokens as our ONNX Runtime backend; apps override per request.
+        # The repetition penalty is serving's one default (as in the HF export's generation_config.json).
         "search": {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": cfg["max_seq_len"],
-                   "min_length": 0, "top_k": 1, "top_p": 1.0, "temperature": 1.0, "repetition_penalty": 1.0,
+                   "min_length": 0, "top_k": 1, "top_p": 1.0, "temperature": 1.0,
+                   "repetition_penalty": SamplingParams().repetition_penalty,
                    "past_present_share_buffer": False, "early_stopping": True, "length_penalty": 1.0,
                    "no_repeat_ngram_size": 0, "diversity_penalty": 0.0},
     }
@@ -105,7 +109,7 @@ def write_genai_files(onnx_dir: Path, src, *, variants: tuple[str, ...] = ("fp32
             raise ExportError(f"{target} exists; use --force to overwrite")
         d.mkdir(parents=True, exist_ok=True)
         model = onnx_dir / VARIANT_FILES[v]
-        for f in [model, *sorted(onnx_dir.glob(model.name + ".data*"))]:
+        for f in [model, *external_data_files(model)]:  # model.onnx_data (model.onnx.data in older exports)
             written.append(_link(f, d / f.name))
         files = {TOKENIZER_CONFIG_FILE: tokenizer_config(src), SPECIAL_TOKENS_FILE: special_tokens_map()}
         for name, obj in files.items():

@@ -3,7 +3,7 @@
 Without --merge: the base's GGUF files (from the base checkpoint the adapter names, its sha256 checked)
 and the adapter as a llama.cpp LoRA GGUF, which llama.cpp applies to the base at run time
 (`llama-cli -m BASE.gguf --lora ADAPTER.gguf`, llama-cpp-python's `lora_path`, `python -m serving BASE.gguf
---lora ADAPTER.gguf`). With --merge: one GGUF per type of the base with every adapter folded into its weight.
+--lora ADAPTER.gguf`). With --merge: one `NAME-merged-TYPE.gguf` per type, every adapter folded into its weight.
 
 The adapter file is what llama.cpp's convert_lora_to_gguf.py writes: general.type = "adapter",
 general.architecture = the base's ("llama"), adapter.type = "lora", adapter.lora.alpha, and for each adapted
@@ -12,15 +12,11 @@ weight two tensors named after the base tensor, `<gguf name>.lora_a` (torch shap
 lora_b of Q and K are permuted as the base's Q and K rows are (export.names.permute_rope). Tensors are F32:
 an adapter is small, and F16 would add its rounding to the parity.
 
-Parity (always, unless --no-parity): the PyTorch fp32 base + adapter against llama.cpp's base F16 + the
-adapter applied at run time (and against each merged file): greedy continuations equal on the parity
-prompts, mean KL reported and bounded (export.lora_parity.LORA_THRESHOLDS); written to lora_parity.json; exit 1 on a breach.
+The command itself (which files, reuse of the base run's export, parity, the card): export.lora_export.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,20 +25,18 @@ import numpy as np
 import torch
 
 from export import ExportError
-from export.gguf import ARCH, canonical_type, export_gguf, gguf_path, write_tensors
-from export.lora_parity import judge, measure, reference
-from export.manifest import Manifest, Source, human_size, load_source, made_folder
+from export.gguf import ARCH, write_tensors
+from export.manifest import Source, load_source
 from export.names import lookup, permute_heads, permute_rope, to_gguf
 from serving.backend import CHAT_TUNED_KEY
 from serving.chat_session import run_chat_tuned
 from training import checkpoint as ckpt
 from training import layout
-from training.files import Input, check_apart
 from training.lora import adapted_modules, merge
+from training.model import Transformer
 
 LORA_FILE_TYPE = "F32"
-PARITY_FILE = "lora_parity.json"
-
+MERGED_SUFFIX = "-merged"  # merged files are named apart from the base's: a base run may share the adapter run's name
 
 
 @dataclass
@@ -61,10 +55,20 @@ class MergedSource(Source):
     """The adapter folded into the base: written like any checkpoint (export.gguf.write_gguf)."""
 
     weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    adapter_name: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.adapter_name}{MERGED_SUFFIX}"
 
     def tensors(self):
         for name in self.tensor_names():
             yield name, self.weights[name].to(torch.float32)
+
+    def model(self) -> torch.nn.Module:
+        model = Transformer(self.config)
+        ckpt.load_weights(model, self.weights)
+        return model.eval()
 
 
 def is_adapter(path: Path, step: int | None = None) -> bool:
@@ -77,14 +81,16 @@ def is_adapter(path: Path, step: int | None = None) -> bool:
 
 
 def load_adapter_source(path: Path, step: int | None) -> AdapterSource:
-    from training.lora_run import load_adapted
+    """The adapter checkpoint, its base (unchanged since, by sha256; the same model shape and tokenizer) and
+    base + adapter as one fp32 model."""
+    from training.lora_run import STATE_KEY, load_adapted
 
     c = ckpt.resolve(path, step)
     try:
-        model, state = load_adapted(c)
+        model, state = load_adapted(c)  # refuses a changed base, or one of another shape or tokenizer
+        base = load_source(state[STATE_KEY]["base"]["path"])
     except ckpt.CheckpointError as e:
         raise ExportError(str(e)) from None
-    base = load_source(state["lora"]["base"]["path"])
     return AdapterSource(c, base.config, base.tokenizer, state, layout.run_dir_of(c), dict(base.shapes),
                          base=base, model_=model)
 
@@ -123,67 +129,5 @@ def merged_source(src: AdapterSource) -> MergedSource:
     model = copy.deepcopy(src.model_)
     merge(model)
     weights = ckpt.drop_tied({k: v.detach() for k, v in model.state_dict().items()}, src.config)
-    return MergedSource(src.path, src.config, src.tokenizer, src.state, src.run_dir, dict(src.shapes), weights=weights)
-
-
-def planned(src: AdapterSource, out: Path, types: list[str], merge_: bool) -> list[Path]:
-    if merge_:
-        return [gguf_path(out, src, canonical_type(t)) for t in types]
-    return [gguf_path(out, src.base, canonical_type(t)) for t in types] + [lora_path(out, src)]
-
-
-def export_adapter(path: Path, *, types: list[str], out: Path | None, merge_: bool, force: bool,
-                   parity: bool = True, nthread: int | None = None) -> int:
-    """`python -m export gguf ADAPTER_RUN`: files written, parity run; 0, or 1 on a parity breach."""
-    src = load_adapter_source(path, None)
-    out = out or (src.run_dir or src.path) / layout.EXPORT
-    run = src.run_dir  # the rule every export keeps: never write where it reads (RUN/export is its own)
-    check_apart("--out", out, [Input("CHECKPOINT_DIR", src.path), Input("RUN_DIR", run, out_inside_ok=True),
-                               Input("RUN_DIR", run and run / layout.CHECKPOINTS),
-                               Input("the base checkpoint", src.base.path)], ExportError)
-    manifest = Manifest.open(out, src, force=force)
-    existing = [p for p in planned(src, out, types, merge_) if p.exists()]
-    if existing and not force:
-        raise ExportError(f"{existing[0]} exists; use --force to overwrite (nothing was written)")
-    with made_folder(out):
-        manifest.save()
-        if merge_:
-            files = export_gguf(merged_source(src), out, types, manifest, force=force, nthread=nthread)
-            pairs = [(p, None) for p in files]
-        else:
-            bases = export_gguf(src.base, out, [*types, "F16"], manifest, force=force, nthread=nthread)
-            adapter = write_lora_gguf(src, lora_path(out, src))
-            manifest.add(adapter, "gguf-lora", LORA_FILE_TYPE, rank=src.model_.lora_spec.rank,
-                         alpha=src.model_.lora_spec.alpha, base=str(src.base.path))
-            files = [*bases, adapter]
-            pairs = [(p, adapter) for p in bases]
-        manifest.save()
-    for p in files:
-        print(f"wrote {p} ({human_size(p.stat().st_size)})")
-    if not parity:
-        return 0
-    ref = reference(src)
-    results = [measure(ref, base, adapter) for base, adapter in pairs]
-    report = judge(results)
-    (out / PARITY_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    for r in report["results"]:
-        print(f"{r['kind']:<28} greedy {r['greedy_equal']}/{r['greedy_prompts']} equal, "
-              f"KL {r['kl']:.2e}, top-1 {r['top1']:.4f}: {'ok' if not r['failures'] else '; '.join(r['failures'])}")
-    print(f"wrote {out / PARITY_FILE}")
-    if not report["passed"]:
-        print(f"error: LoRA parity thresholds breached (see {out / PARITY_FILE})", file=sys.stderr)
-        return 1
-    return 0
-
-
-def export_adapter_run(args, types: list[str]) -> int | None:
-    """`python -m export` on an adapter run: its exit code; None for any other run (export.__main__ goes on)."""
-    if not is_adapter(args.path, args.step):
-        if args.merge:
-            raise ExportError(f"--merge: {args.path} is not an adapter run (training/sft.py --lora-rank)")
-        return None
-    if args.command != "gguf" or args.imatrix is not None or args.threshold or args.step is not None:
-        raise ExportError(f"{args.path} is an adapter run: export it with `python -m export gguf RUN` (the base's "
-                          "GGUF and the adapter as a LoRA GGUF) or `gguf RUN --merge`; no --imatrix, --threshold, --step")
-    return export_adapter(args.path, types=types, out=args.out, merge_=args.merge, force=args.force,
-                          parity=not args.no_parity, nthread=args.threads)
+    return MergedSource(src.path, src.config, src.tokenizer, src.state, src.run_dir, dict(src.shapes), weights=weights,
+                        adapter_name=src.name)

@@ -1,12 +1,15 @@
 """Export a checkpoint to ONNX: one decoder with a KV cache (fp32), plus int8 and int4 variants,
 streamed: no step ever holds the whole model twice.
 
-    out_dir/model.onnx        fp32 graph; its weights in model.onnx.data (external data)
+    out_dir/model.onnx        fp32 graph; its weights in model.onnx_data (external data, named as optimum
+                              and transformers.js name it; exports before were model.onnx.data)
     out_dir/model-int8.onnx   int8 per-channel weights, DynamicQuantizeMatMul (activations quantized at
-                              run time) and an 8-bit GatherBlockQuantized embedding; weights in .data
-    out_dir/model-int4.onnx   MatMulNBits + GatherBlockQuantized, 4-bit asymmetric blocks of 32; weights in .data
+                              run time) and an 8-bit GatherBlockQuantized embedding (+ model-int8.onnx_data)
+    out_dir/model-int4.onnx   MatMulNBits + GatherBlockQuantized, 4-bit asymmetric blocks of 32 (+ its _data)
     out_dir/tokenizer.model   the checkpoint's SentencePiece model
     out_dir/onnx_config.json  model config, io names, tokenizer sha256, special ids, checks, timings
+    out_dir/config.json, generation_config.json, tokenizer.json, tokenizer_config.json
+                              the HF files transformers.js reads beside the model (export.onnx_hub)
 
 Inputs and outputs are named as optimum names them (`serving.onnxrt.input_names/output_names`), with
 dynamic batch, sequence and past length; the first pass takes empty past tensors (B, kv, 0, hd).
@@ -55,7 +58,8 @@ from export.onnx_graph import (
     set_nodes,
     transpose_perm,
 )
-from export.onnx_weights import DataFile, OnnxExportError, Weights, data_file
+from export.onnx_hub import HUB_FILES, write_hub_files
+from export.onnx_weights import LEGACY_DATA_SUFFIX, DataFile, OnnxExportError, Weights, data_file
 from serving.onnxrt import (
     CONFIG_FILE,
     FORMAT,
@@ -90,7 +94,7 @@ def planned_outputs(out_dir: Path, int8: bool, int4: bool) -> list[Path]:
     """The files an export with these variants writes (python -m export checks them all before writing)."""
     variants = ["fp32"] + [v for v, on in (("int8", int8), ("int4", int4)) if on]
     names = [n for v in variants for n in (VARIANT_FILES[v], data_file(VARIANT_FILES[v]))]
-    return [Path(out_dir) / n for n in [*names, TOKENIZER_FILE, CONFIG_FILE]]
+    return [Path(out_dir) / n for n in [*names, TOKENIZER_FILE, *HUB_FILES, CONFIG_FILE]]
 
 
 def _quantize_int8_matmul(node, w: np.ndarray, data: DataFile) -> list:
@@ -248,10 +252,11 @@ def build_export(src, folder: Path, *, int8: bool = False, int4: bool = False, o
         timings[f"{v}_check_s"] = time.perf_counter() - t0
     checks["probe_tokens"] = int(probe.shape[1])
     tok.save(folder / TOKENIZER_FILE)
+    hub = write_hub_files(src, folder, variants)
     meta = onnx_config(src, variants, opset=next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
                        checks=checks, timings=timings, sizes=sizes)
     (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return [*written, folder / TOKENIZER_FILE, folder / CONFIG_FILE]
+    return [*written, folder / TOKENIZER_FILE, *hub, folder / CONFIG_FILE]
 
 
 def onnx_config(src, variants: list[str], *, opset: int, checks: dict, timings: dict, sizes: dict) -> dict:
@@ -289,7 +294,8 @@ def onnx_config(src, variants: list[str], *, opset: int, checks: dict, timings: 
 def _old_export_files(out_dir: Path) -> list[Path]:
     """Every file of an earlier export in `out_dir`, its config first (it marks a complete export:
     a stale int8 file must never be served beside a new fp32 one), its GenAI folder last."""
-    names = [CONFIG_FILE, TOKENIZER_FILE] + [n for f in VARIANT_FILES.values() for n in (f, data_file(f))]
+    names = [CONFIG_FILE, TOKENIZER_FILE, *HUB_FILES] + [n for f in VARIANT_FILES.values()
+                                                          for n in (f, data_file(f), f + LEGACY_DATA_SUFFIX)]
     return [out_dir / n for n in [*names, GENAI_DIR] if (out_dir / n).exists()]
 
 

@@ -14,7 +14,12 @@ from export.onnx_graph import Initializer
 from training.checkpoint import ShardedReader
 from training.checkpoint_format import is_sharded
 
-EXTERNAL_DATA_SUFFIX = ".data"
+# model.onnx's weights are model.onnx_data: the name optimum writes and transformers.js requests (it fetches
+# `<file>.onnx_data` by that name and hands it to ONNX Runtime under it, so the name the graph records must
+# be the same). Exports written before used model.onnx.data: ONNX Runtime reads either (it follows the name
+# recorded inside the .onnx file), and `external_data_files` finds a model's data files the same way.
+EXTERNAL_DATA_SUFFIX = "_data"
+LEGACY_DATA_SUFFIX = ".data"
 # Large tensors start at a page boundary of the data file so ONNX Runtime can memory-map them
 # (onnx's own external-data writer uses the same rule).
 ALIGN_THRESHOLD, PAGE, SMALL_ALIGN = 1 << 20, 4096, 64
@@ -26,6 +31,17 @@ class OnnxExportError(ExportError):
 
 def data_file(model_file: str) -> str:
     return model_file + EXTERNAL_DATA_SUFFIX
+
+
+def external_data_files(model_path: Path) -> list[Path]:
+    """The files beside `model_path` its initializers are kept in: the external-data locations recorded in
+    the .onnx file (its graph is read, not its weights)."""
+    import onnx
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    names = {e.value for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+             for e in t.external_data if e.key == "location"}
+    return [model_path.parent / n for n in sorted(names)]
 
 
 class DataFile:

@@ -289,11 +289,14 @@ class ParityReport:
         rows = ["| backend | max abs Δlogit | mean KL | top-1 | greedy match | tokenizer | incremental Δ | thresholds | result |",
                 "|---|---:|---:|---:|---:|---:|---:|---|---|"]
         for r in self.results:
-            tok = f"{r['tokenizer_equal']}/{r['tokenizer_total']}"
-            inc = f"{r['incremental']['max_abs']:.2e}"
+            # rows fed token ids (export.arm_parity) have no tokenizer or incremental comparison
+            tok = f"{r['tokenizer_equal']}/{r['tokenizer_total']}" if "tokenizer_total" in r else "ids in"
+            inc = f"{r['incremental']['max_abs']:.2e}" if "incremental" in r else "-"
             th = ", ".join(f"{k} {'≥' if k in LOWER_BOUNDS else '≤'} {v:g}" for k, v in r["thresholds"].items()) or "report only"
             verdict = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])
-            rows.append(f"| {r['name']} | {r['max_abs']:.2e} | {r['kl']:.2e} | {r['top1']:.1%} | "
+            mx, kl, top1 = ("-" if r.get(k) is None else format(r[k], f)  # browser rows: what the runtime exposes
+                            for k, f in (("max_abs", ".2e"), ("kl", ".2e"), ("top1", ".1%")))
+            rows.append(f"| {r['name']} | {mx} | {kl} | {top1} | "
                         f"{r['greedy_match']}/{r['greedy_total']} ({r['greedy_equal']}/{r['greedy_prompts']} whole) | "
                         f"{tok} | {inc} | {th} | {verdict} |")
         return "\n".join(rows)
@@ -304,7 +307,8 @@ class ParityReport:
                 f"{self.prompts + self.extra_texts + 1} texts (incl. one chat prompt).")
         verdict = ("**all thresholds met**" if self.passed else "**THRESHOLDS BREACHED**" if self.results
                    else "**NO BACKEND COMPARED**: nothing was checked (no exported file in the manifest)")
-        return f"{head}\n\n{self.table()}\n\n{verdict}\n"
+        summaries = "".join(f"- {r['summary']}\n" for r in self.results if "summary" in r)  # rows' own notes
+        return f"{head}\n\n{self.table()}\n\n" + (summaries + "\n" if summaries else "") + f"{verdict}\n"
 
 
 def threshold_kinds() -> list[str]:
@@ -341,7 +345,8 @@ def parse_thresholds(items: Iterable[str]) -> dict[str, dict[str, float]]:
 def run_parity(out_dir: Path, src: Source | None = None, *, thresholds: Mapping[str, Mapping[str, float]] | None = None,
                n_new: int = DEFAULT_NEW_TOKENS, extra_texts: Sequence[str] = (), write: bool = True,
                backends: Sequence[Backend | Candidate] | None = None,
-               progress: Callable[[str], None] | None = None) -> ParityReport:
+               progress: Callable[[str], None] | None = None,
+               extra_rows: Callable[[Source, Path, Reference, Mapping], list[dict]] | None = None) -> ParityReport:
     """Compare every export listed in out_dir/manifest.json (or the given `backends`, which the caller
     closes) with the checkpoint. Writes parity.json and parity.md into out_dir when `write`."""
     manifest = Manifest.read(out_dir) if backends is None or src is None else None
@@ -363,6 +368,8 @@ def run_parity(out_dir: Path, src: Source | None = None, *, thresholds: Mapping[
         finally:
             if backends is None:
                 c.backend.close()
+    if extra_rows is not None:  # rows computed outside this module (export.arm_parity's), same prompts
+        results += extra_rows(src, out_dir, ref, thresholds or DEFAULT_THRESHOLDS, progress)
     report = ParityReport(results, len(ref.prompts), n_new, len(ref.texts) - len(ref.prompts))
     if write:
         (out_dir / PARITY_JSON).write_text(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) + "\n",

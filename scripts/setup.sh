@@ -5,6 +5,8 @@
 #                      fonts-noto-core: a Bengali font, so the browser test sees Bangla, not boxes), and
 #                      SkyPilot (pinned) in its own venv, PRODIP_SKYPILOT_VENV (default
 #                      ~/.cache/prodip/skypilot-venv): tests/test_skypilot.py validates deploy/skypilot/ with it
+#                      and llama.cpp cross-built for aarch64 (scripts/build_llama_arm.sh, cached: the ARM rows).
+#                      Every mode installs the browser runtimes `export web` copies (npm ci in export/site)
 #   scripts/setup.sh --llama-tools  + llama.cpp's own programs (llama-cli, -server, -bench, -perplexity,
 #                      -imatrix, -quantize), built once from the same pinned source with the same flags
 # Environment knobs:
@@ -110,5 +112,9 @@ fi
 if [ "$LLAMA_TOOLS" = 1 ]; then
   PRODIP_PYTHON="$PY" PRODIP_LLAMA_CMAKE="$LLAMA_CMAKE" bash scripts/build_llama_tools.sh >/dev/null
   log "llama.cpp tools: $(PRODIP_PYTHON="$PY" PRODIP_LLAMA_CMAKE="$LLAMA_CMAKE" bash scripts/build_llama_tools.sh --print)"
+fi
+if [ "$DEV" = 1 ]; then  # the ARM parity rows' runners (tests/test_arm.py): cross-built once for aarch64, cached
+  PRODIP_PYTHON="$PY" bash scripts/build_llama_arm.sh >/dev/null
+  log "llama.cpp aarch64 runners: $(bash scripts/build_llama_arm.sh --print | tr '\n' ' ')"
 fi
 log "ready: $PY ($("$PY" -c 'import torch, llama_cpp; print("torch", torch.__version__, "| llama-cpp-python", llama_cpp.__version__)'))"

@@ -37,7 +37,7 @@ from serving.lora_flags import add_lora_flags, lora_kwargs
 from serving.text_stream import TextStream
 from training.cli import ArgumentParser, run_main
 from training.remote import is_url, pull_export
-from training.schema import PositiveInt, flag
+from training.schema import Port, PositiveInt, flag
 
 PROMPT_MARK = ">>> "
 DEFAULT_MAX_TOKENS = 256
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--prompt", help="answer this one message and exit")
     mode.add_argument("--http", metavar="[HOST:]PORT", help="serve an OpenAI-compatible API (host 127.0.0.1 by default)")
+    mode.add_argument("--web", action="store_true", help="serve MODEL's web export (RUN/export/web: `python -m export "
+                      "web`) on 127.0.0.1 with the headers wasm threads need; the chat runs in the browser")
+    ap.add_argument("--port", type=flag(Port), help="--web: the port (default 8080; 0 = any free one)")
     text = ap.add_mutually_exclusive_group()
     text.add_argument("--raw", action="store_true", help="plain text completion, no chat template")
     text.add_argument("--chat", action="store_true", help="apply the chat template even to a base model")
@@ -186,6 +189,10 @@ def complete_interactive(backend: Backend, params: SamplingParams, show_stats: b
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.web or args.port is not None:
+        from serving.web_host import serve_web_flags
+
+        return serve_web_flags(args, build_parser().parse_args([args.model, "--web"]))
     if args.http:
         check_http_flags(args)
     check_raw_flags(args)

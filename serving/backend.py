@@ -52,7 +52,10 @@ class SamplingParams:
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 40  # 0 = off
     top_p: float = 0.95  # 1 = off
-    repetition_penalty: float = 1.1  # 1 = off (CTRL-style: divide positive logits, multiply negative)
+    # 1 = off (CTRL-style: divide positive logits, multiply negative). Off by default, and the one default
+    # every export carries (generation_config.json, genai_config.json): HF generate and transformers.js
+    # apply it in greedy decoding too, so any other value there would change their greedy ids (docs/onnx.md).
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
 

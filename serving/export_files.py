@@ -24,8 +24,10 @@ from training import layout
 from training.files import sha256_file
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
-MODEL_SUFFIXES = (".gguf", ".onnx")  # a file serving.load opens; its sidecars are named MODEL.suffix (model.onnx.data)
-WEIGHT_SUFFIXES = (*MODEL_SUFFIXES, ".data", ".safetensors")  # files that carry weights: never unlisted
+MODEL_SUFFIXES = (".gguf", ".onnx")  # a file serving.load opens; its sidecars are named MODEL_x or MODEL.x
+# files that carry weights: never unlisted (.onnx_data: model.onnx_data; .data: model.onnx.data, older exports)
+WEIGHT_SUFFIXES = (*MODEL_SUFFIXES, ".onnx_data", ".data", ".safetensors")
+SIDECAR_SEPARATORS = ("_", ".")  # model.onnx_data (export.onnx_weights), model.onnx.data (exports before it)
 MANIFEST_LEVELS = 3  # RUN/export/{gguf/x.gguf, onnx/model.onnx, hf/}: the manifest is 1-2 levels above
 
 
@@ -92,12 +94,12 @@ def export_root_of(path: Path) -> Path | None:
 
 
 def _sidecar_of(name: str, models: list[str]) -> str | None:
-    return next((m for m in models if name.startswith(m + ".")), None)
+    return next((m for m in models if any(name.startswith(m + s) for s in SIDECAR_SEPARATORS)), None)
 
 
 def files_read_by(m: Manifest, path: Path) -> list[str]:
     """The listed files a load of `path` reads: a folder (an HF export), every listed file under it; a
-    model file, itself, its sidecars (model.onnx.data) and the listed non-model files beside it
+    model file, itself, its sidecars (model.onnx_data) and the listed non-model files beside it
     (tokenizer.model, onnx_config.json), never the other models there (the F16 GGUF beside the Q4_K_M).
     A file the manifest does not list (one the user put there) is not checked."""
     rel = PurePosixPath(Path(os.path.abspath(path)).relative_to(m.root).as_posix())
@@ -130,7 +132,7 @@ def check_before_load(path: str | os.PathLike) -> None:
 def unlisted_weights(m: Manifest) -> Iterator[str]:
     """Weights files under ROOT (not in hidden folders) that the manifest does not list, except a hard link
     to, or a byte-identical copy of, a listed file of the same name (ONNX Runtime GenAI's folders link
-    the verified model.onnx and model.onnx.data: export.genai)."""
+    the verified model.onnx and model.onnx_data: export.genai)."""
     by_name: dict[str, list[str]] = {}
     for r in m.files:
         by_name.setdefault(PurePosixPath(r).name, []).append(r)

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 from serving.backend import Backend, ServingError
 from serving.http_requests import RequestError, ServerConfig
 from serving.http_routes import Routes, busy, client_gone, request_error, value_error
+from serving.lora_pairs import Pairs
 from serving.scheduler import Busy, ClientGone, Scheduler
 from serving.text_stream import GenerationProbe
 from training.schema import Port, SchemaError, parse
@@ -97,7 +98,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     and its GenerationProbe (`app.state.generations`: at most one active generation)."""
     cfg = config or ServerConfig(model_id=backend.name)
     scheduler = Scheduler(GenerationProbe(), max_waiting=cfg.max_waiting, wait_s=cfg.wait_s)
-    routes = Routes(backend, cfg, scheduler)
+    routes = Routes(backend, cfg, scheduler, pairs=Pairs.of(backend))  # LoRA pairs, listed and picked per request
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -3,7 +3,8 @@ read bodies through here): the body is capped (413), max_tokens is capped (400),
 mistake (invalid UTF-8 or JSON, a misspelt field at the top level, inside a message or inside
 stream_options, a field of the wrong type, a bad sampling parameter) is a RequestError with a one-line
 message; sampling fields are checked against the schema types the CLI flags use, and the fields that
-change nothing (model, user, metadata, store, stream_options) are type-checked all the same. A client
+change nothing (model, user, metadata, store, stream_options) are type-checked all the same; `adapter` (which
+base+adapter pair answers: serving.lora_pairs) must name a pair /v1/models lists, or be absent. A client
 that hangs up while sending its body is serving.scheduler.ClientGone (one log line).
 """
 
@@ -40,6 +41,7 @@ SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_k"
                    "repeat_penalty", "seed", "stop", "stream")
 CHAT_FIELDS, COMPLETION_FIELDS = ("messages",), ("prompt",)
 IGNORED_FIELDS = ("model", "user", "stream_options", "metadata", "store")  # labels: they change no output
+ADAPTER_FIELD = "adapter"  # which base+adapter pair answers (serving.lora_pairs); `model` stays a label
 MESSAGE_FIELDS, PART_FIELDS, STREAM_OPTIONS = ("role", "content"), ("type", "text"), ("include_usage",)
 MESSAGE_KEYS = frozenset(MESSAGE_FIELDS)
 MAX_LABEL_CHARS = 512  # model, user, a metadata value (OpenAI's limit for metadata values)
@@ -165,7 +167,7 @@ def check_fields(body: dict, endpoint_fields: tuple[str, ...]) -> None:
     for key, noop in NOOP_AT.items():
         if body.get(key) not in noop:
             raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[-1])}")
-    _known("field", body, (*endpoint_fields, *SAMPLING_FIELDS, *IGNORED_FIELDS, *NOOP_AT))
+    _known("field", body, (*endpoint_fields, *SAMPLING_FIELDS, *IGNORED_FIELDS, ADAPTER_FIELD, *NOOP_AT))
     check_labels(body)
 
 
@@ -241,3 +243,21 @@ def completion_prompt(body: dict) -> str:
         raise RequestError("prompt must be a string (or a list holding one string)")
     return _text(p, "prompt")
 
+
+
+def adapter_from_body(body: dict, known: tuple[str, ...]) -> str | None:
+    """The `adapter` field: None (absent or null: the server's default pair), or one of `known` (the names
+    /v1/models lists; none when the server serves no adapter). Checked here, once; trusted after."""
+    v = body.get(ADAPTER_FIELD)
+    if v is None:
+        return None
+    if not known:
+        raise RequestError(f"{ADAPTER_FIELD}: this server serves no LoRA adapter (python -m serving BASE.gguf "
+                           "--lora NAME=ADAPTER.gguf serves some); leave the field out")
+    names = ", ".join(known)
+    if not isinstance(v, str):
+        raise RequestError(f"{ADAPTER_FIELD} must be one adapter's name (a string), one of: {names}")
+    if v not in known:
+        shown = json.dumps(v[:MAX_LABEL_CHARS])  # ASCII: a lone surrogate cannot break the reply
+        raise RequestError(f"{ADAPTER_FIELD} {shown} is not served here; known: {names}")
+    return v

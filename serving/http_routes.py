@@ -27,6 +27,7 @@ from serving.http_requests import (
     COMPLETION_FIELDS,
     RequestError,
     ServerConfig,
+    adapter_from_body,
     chat_messages,
     check_fields,
     completion_prompt,
@@ -35,6 +36,7 @@ from serving.http_requests import (
     sampling_from_body,
     stream_flag,
 )
+from serving.lora_pairs import Pairs
 from serving.scheduler import Busy, ClientGone, Job, Scheduler
 from serving.text_stream import GenerationProbe, GenerationStats, TextStream
 
@@ -104,6 +106,7 @@ class Routes:
     cfg: ServerConfig
     scheduler: Scheduler
     created: int = field(default_factory=lambda: int(time.time()))
+    pairs: Pairs | None = None  # base+adapter pairs (serving.lora_pairs): a request's "adapter" picks one
 
     @property
     def probe(self) -> GenerationProbe:
@@ -114,8 +117,20 @@ class Routes:
                 "generations": self.probe.snapshot(), "max_waiting": self.scheduler.max_waiting}
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "created": self.created,
-                                            "owned_by": "prodip"}]}
+        """The model; with LoRA adapters, each base+adapter pair (the base alone included, where it can be had)
+        with what a request's "adapter" field says to get it."""
+        if self.pairs is None:
+            return {"object": "list", "data": [{"id": self.cfg.model_id, "object": "model", "created": self.created,
+                                                "owned_by": "prodip"}]}
+        return {"object": "list", "data": [{"id": p["id"], "object": "model", "created": self.created,
+                                            "owned_by": "prodip", "prodip": p} for p in self.pairs.listing()]}
+
+    def _pair(self, adapter: str | None) -> tuple[Backend, str]:
+        """The backend answering for `adapter` (checked by adapter_from_body) and the model id to report."""
+        if self.pairs is None:
+            return self.backend, self.cfg.model_id
+        view = self.pairs.view(self.backend, adapter)
+        return view, view.name
 
     async def _parse(self, request: Request, fields, what):
         """One body read and checked: (what(body), its sampling params, stream mode, arrival time). The
@@ -128,7 +143,8 @@ class Routes:
             body = parse_body(raw)
             check_fields(body, fields)
             payload = what(body)
-            return payload, sampling_from_body(body, self.cfg.max_tokens_cap), stream_flag(body)
+            adapter = adapter_from_body(body, tuple(self.pairs.pairs) if self.pairs else ())
+            return payload, sampling_from_body(body, self.cfg.max_tokens_cap), stream_flag(body), adapter
 
         return (*await anyio.to_thread.run_sync(check), arrived)
 
@@ -159,10 +175,11 @@ class Routes:
                 _gone(request, ClientGone(gone))
 
     async def chat_completions(self, request: Request) -> Response:
-        messages, params, stream_mode, arrived = await self._parse(request, CHAT_FIELDS, chat_messages)
-        job, prepared = await self._start(request, lambda: chat_stream(self.backend, messages, params), arrived)
+        messages, params, stream_mode, adapter, arrived = await self._parse(request, CHAT_FIELDS, chat_messages)
+        backend, model_id = self._pair(adapter)
+        job, prepared = await self._start(request, lambda: chat_stream(backend, messages, params), arrived)
         stream: TextStream = job.stream
-        rid, now, model_id = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.cfg.model_id
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         headers = {"X-Prodip-Dropped-Messages": str(prepared.dropped)}
         if not stream_mode:
             text = await self._whole(request, job)
@@ -194,10 +211,11 @@ class Routes:
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def completions(self, request: Request) -> Response:
-        prompt, params, stream_mode, arrived = await self._parse(request, COMPLETION_FIELDS, completion_prompt)
-        job, _ = await self._start(request, lambda: (None, completion_stream(self.backend, prompt, params)), arrived)
+        prompt, params, stream_mode, adapter, arrived = await self._parse(request, COMPLETION_FIELDS, completion_prompt)
+        backend, model_id = self._pair(adapter)
+        job, _ = await self._start(request, lambda: (None, completion_stream(backend, prompt, params)), arrived)
         stream: TextStream = job.stream
-        rid, now, model_id = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.cfg.model_id
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice(text: str, finish: str | None) -> dict:
             return {"id": rid, "object": "text_completion", "created": now, "model": model_id,

@@ -37,6 +37,7 @@ import numpy as np
 
 from serving.backend import CHAT_TUNED_KEY, SamplingParams, ServingError
 from serving.llamacpp_decode import AllLogitsBatch, decode_rows, decode_tokens, sampler_chain
+from serving.llamacpp_lora import BASE_ONLY, LoadedAdapters, LoraSpec, named_adapters
 from training.chat import CHAT_TEMPLATE
 from training.text import normalize
 from training.tokenizer import EOS, IM_END
@@ -148,7 +149,7 @@ def _type_label(path: Path) -> str:
 class LlamaCppBackend:
     def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, threads: int | None = None,
                  kv_f32: bool | None = None, n_batch: int = 512, seed: int = 0, verbose: bool = False,
-                 lora: str | os.PathLike | None = None, lora_scale: float = 1.0):
+                 lora: LoraSpec | None = None, lora_scale: float = 1.0):
         """`n_ctx` None: the trained context (foreign files: at most FOREIGN_MAX_CTX); `kv_f32` None: an
         F32 KV cache for prodip files (parity), llama.cpp's F16 for others; `seed`: the sampling seed of
         requests that give none, until one does (then theirs, as llama-cpp-python's set_seed)."""
@@ -168,12 +169,12 @@ class LlamaCppBackend:
         self._seed = seed
         self._batch = None  # the all-logits batch (logits()), made on first use
         self._step = None  # the one-token batch of the decode loop, made on first use
-        if lora is not None:  # a LoRA GGUF applied at run time (llama.cpp's --lora); checked against the base first
-            from serving.llamacpp_lora import check_adapter
-
-            kv.update(lora_path=str(check_adapter(self.path, lora, lora_scale)), lora_scale=float(lora_scale))
-            if (tuned := read_gguf_info(Path(lora)).chat_tuned) is not None:  # an SFT adapter on a base model
-                self.chat_tuned = tuned
+        # LoRA GGUFs applied at run time (llama.cpp's --lora), each checked against the base first and loaded
+        # once; the first is the default, generate(adapter=NAME) switches without reloading the base
+        self.adapters, self._loras, self._active = named_adapters(self.path, lora, lora_scale), None, None
+        self.adapter = next(iter(self.adapters), None)
+        if self.adapter is not None and (tuned := self.adapters[self.adapter].chat_tuned) is not None:
+            self.chat_tuned = tuned  # an SFT adapter on a base model
         self.llm = open_llama(self.path, self.info.arch, n_ctx=n_ctx or 0, n_threads=threads,
                               n_threads_batch=threads, n_batch=n_batch, logits_all=False, seed=seed,
                               verbose=verbose, **kv)
@@ -181,10 +182,14 @@ class LlamaCppBackend:
         # (the trained context when n_ctx=0): past that they overflow, so that is the usable context
         self.n_ctx = min(self.llm.n_ctx(), self.llm.context_params.n_ctx)
         self.n_vocab = self.llm.n_vocab()
-        self.name = f"llama.cpp-{_type_label(self.path)}" + ("+lora" if lora is not None else "")
+        self.base_name = f"llama.cpp-{_type_label(self.path)}"
+        self.name = self.base_name + (f"+{self.adapter}" if self.adapter else "")
         self.chat_notice: str | None = None  # set when chats fall back to plain completion
         self._formatter = None  # a foreign file's chat template (llama-cpp-python's Jinja2ChatFormatter)
         try:
+            if self.adapters:
+                self._loras = LoadedAdapters(self.llm.model, self.path, self.adapters)
+                self._use(None)
             if self.prodip:
                 self.eos_ids = tuple(self._piece_id(p) for p in (EOS, IM_END))
             else:
@@ -192,6 +197,18 @@ class LlamaCppBackend:
         except BaseException:
             self.close()
             raise
+
+    def _use(self, adapter: str | None) -> None:
+        """Under the lock: `adapter` (None: the default, BASE_ONLY: none) set on the context; a KV cache
+        computed under another one is dropped. An unknown name is a ServingError listing the known ones."""
+        name = self.adapter if adapter is None else None if adapter == BASE_ONLY else adapter
+        if name == self._active:
+            return
+        if name is not None and name not in self.adapters:
+            raise ServingError(f"adapter {adapter!r} is not loaded; known: {', '.join([BASE_ONLY, *self.adapters])}")
+        self._loras.use(self.llm.ctx, name)
+        self._clear()
+        self._active = name
 
     def _init_foreign(self) -> None:
         """End-of-generation ids from the file, and its chat template (or the plain-completion notice)."""
@@ -236,7 +253,8 @@ class LlamaCppBackend:
                 "quant": self.info.type_name, "context": self.n_ctx,
                 "trained_context": self.info.context_length, "kind": "prodip" if self.prodip else "foreign",
                 "prodip": self.prodip, "chat_template": self.chat_template is not None, "chat_tuned": self.chat_tuned,
-                "chat_notice": self.chat_notice}
+                "chat_notice": self.chat_notice, "adapter": self.adapter,
+                "adapters": {n: a.path.name for n, a in self.adapters.items()}}
 
     def _piece_id(self, piece: str) -> int:
         ids = self.llm.tokenize(piece.encode(), add_bos=False, special=True)
@@ -283,17 +301,20 @@ class LlamaCppBackend:
             self._batch = AllLogitsBatch(self.llm.n_batch)
         return decode_rows(self.llm.ctx, self._batch, ids, pos0, self.n_vocab, self.path.name)
 
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """(T, V) fp32 logits for every position, the whole sequence evaluated in one batch."""
+    def logits(self, ids: Sequence[int], adapter: str | None = None) -> np.ndarray:
+        """(T, V) fp32 logits for every position, the whole sequence evaluated in one batch (`adapter`: as
+        generate's)."""
         ids = self._check(ids)
         with self._lock:
+            self._use(adapter)
             self._clear()
             return self._decode_all(ids, 0)
 
-    def logits_incremental(self, ids: Sequence[int], prefix: int = 0) -> np.ndarray:
+    def logits_incremental(self, ids: Sequence[int], prefix: int = 0, adapter: str | None = None) -> np.ndarray:
         """The same logits decoded through the KV cache: `prefix` tokens in one batch, then one by one."""
         ids = self._check(ids)
         with self._lock:
+            self._use(adapter)
             self._clear()
             rows = [self._decode_all(ids[:prefix], 0)] if prefix else []
             rows += [self._decode_all([t], i) for i, t in enumerate(ids[prefix:], prefix)]
@@ -310,8 +331,9 @@ class LlamaCppBackend:
             held = 0
         self.llm.eval(ids[held:])
 
-    def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Stream new token ids (llama.cpp's sampler), stopping at an end-of-sequence id."""
+    def generate(self, ids: Sequence[int], params: SamplingParams, adapter: str | None = None) -> Iterator[int]:
+        """Stream new token ids (llama.cpp's sampler), stopping at an end-of-sequence id; `adapter`: a
+        loaded LoRA's name (None: the default, the first given; "base": none), set under the lock."""
         import llama_cpp
 
         params.validate()
@@ -321,6 +343,7 @@ class LlamaCppBackend:
             raise ServingError(f"the prompt fills the whole context ({self.n_ctx} tokens)")
         limit = min(params.max_new_tokens, room)
         with self._lock:
+            self._use(adapter)
             if params.seed is not None:
                 self._seed = params.seed
             chain = sampler_chain(params, self.n_vocab, self._seed)
@@ -340,6 +363,9 @@ class LlamaCppBackend:
                     if batch is not None:
                         batch.free()
                 self._batch = self._step = None
+                if self._loras is not None:
+                    self._loras.free(llm.ctx)
+                    self._loras = None
                 llm.close()
             self.llm = None
 

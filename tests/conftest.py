@@ -237,17 +237,24 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(1)
 
 
-# Seconds each slow test module took serially (CI mode, 6af1766; the rest took under 8 s). The longest start
-# first (a longest-first schedule: scripts/test.sh passes --no-loadscope-reorder, so xdist hands out files in
-# this order); by default xdist starts the files with the most tests first, and the few long end-to-end files
-# ran last on one worker while the other sat idle. Stale figures only cost time, never a result.
-SLOW_MODULES = {"test_distributed": 98, "test_quickstart": 62, "test_sft": 56, "test_browser": 56,
-                "test_remote_nodes": 48, "test_remote": 43, "test_preemption": 36, "test_gpu_validate": 28,
-                "test_sharded_checkpoint": 27, "test_remote_export": 27, "test_prepare": 25, "test_train": 21, "test_lora": 20,
-                "test_gates": 18, "test_preloaded": 16, "test_init_from": 16, "test_mutation_bench": 16,
-                "test_distributed_plants": 14, "test_hostile_inputs": 13, "test_prepare_executors": 18, "test_crash_safety": 12,
-                "test_evaluate": 12, "test_lm_eval": 11, "test_imatrix": 11, "test_plan": 10, "test_any_gguf": 9,
-                "test_parity": 8, "test_gpu_path": 30, "test_http_load": 12}
+# Seconds each slow test module took (the user-mode run of 2026-12-06 on an idle 2-core machine, `--durations`
+# summed per file; the distributed files less what forking their torchrun workers saved, tests/torchrun_forked.py;
+# the rest took under 8 s). The longest start first (a longest-first schedule: scripts/test.sh passes
+# --no-loadscope-reorder, so xdist hands out files in this order); by default xdist starts the files with the most
+# tests first, and the few long end-to-end files ran last on one worker while the other sat idle. test_browser
+# builds the suite's trained model (tiny_run) in its setup: started at once, on the worker test_distributed (which
+# needs only bn_data) leaves free, no later file waits for it. Stale figures only cost time, never a result.
+SLOW_MODULES = {"test_distributed": 170, "test_browser": 144, "test_quickstart": 120, "test_remote": 76,
+                "test_sft": 66, "test_remote_nodes": 50, "test_preemption": 43, "test_gpu_validate": 40,
+                "test_remote_export": 30, "test_sharded_checkpoint": 28, "test_prepare": 25, "test_train": 25,
+                "test_preloaded": 24, "test_lora": 30, "test_gates": 18, "test_prepare_executors": 18,
+                "test_crash_safety": 17, "test_distributed_plants": 16, "test_init_from": 16,
+                "test_mutation_bench": 16, "test_compile": 13, "test_gpu_path": 13, "test_hostile_inputs": 13,
+                "test_plan": 12, "test_evaluate": 12, "test_http_load": 12, "test_lm_eval": 11, "test_imatrix": 11,
+                "test_any_gguf": 9, "test_parity": 8,
+                # this stop's new modules (measured by their helpers on a loaded machine, scaled to idle)
+                "test_web_browser": 20, "test_lora_serving": 15, "test_arm": 10, "test_web_export": 8,
+                "test_transformers_js": 8}
 
 
 def pytest_collection_modifyitems(items) -> None:

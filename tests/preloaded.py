@@ -16,6 +16,7 @@ not honoured) and import-time effects of environment variables on the preloaded 
 reads its variables at call time; tests/test_preloaded.py checks the run matches a cold one). Tests
 that are about the cold start itself, and README commands run as shown, keep `subprocess`.
 PRODIP_TEST_COLD=1 sends every run through `subprocess.run` (to compare, or to bisect a difference).
+tests/torchrun_forked.py does the same for torchrun's workers (the distributed tests' launcher).
 """
 
 from __future__ import annotations

@@ -324,6 +324,7 @@ def test_gate_names_leaf_matches_the_registry_and_config_uses_only_it() -> None:
 
 # ------------------------------------------------------------------------------------ size rules
 MAX_MODULE_LINES = 400
+SIZE_SCOPE = (*STAGES, "scripts", "tests/benchmarks")  # [house-3]: the tools a user runs are read like the stages
 MAX_FUNCTION_LINES = 60
 SIZE_MARK = "# size:"  # `# size: <reason>` in a module's first lines, or on/above a def, allows it
 # What earns its size, and what is still to split (name each in the issue that splits it).
@@ -359,7 +360,7 @@ def oversized(root: Path, packages: tuple[str, ...]) -> list[str]:
 def test_modules_and_functions_stay_small() -> None:
     """A module over 400 lines or a function over 60 needs a reason: a `# size:` comment, or an entry
     in SIZE_ALLOWED. An entry whose module or function is back within the limits must go."""
-    found = {o.split(" (")[0]: o for o in oversized(REPO, STAGES)}
+    found = {o.split(" (")[0]: o for o in oversized(REPO, SIZE_SCOPE)}
     unexplained = [o for k, o in found.items() if k not in SIZE_ALLOWED]
     assert not unexplained, "over the size limits, with no reason given:\n" + "\n".join(unexplained)
     stale = [k for k in SIZE_ALLOWED if k not in found]

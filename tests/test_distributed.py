@@ -32,10 +32,14 @@ FP32_TOL = 2e-5  # relative: DDP/FSDP reduce in a different order than one proce
 FSDP_TOL = 1e-4  # FSDP2 also reduce-scatters and all-gathers in fp32: slightly more reordering
 
 
+# torch.distributed.run itself, its workers forked from the preloaded interpreter (tests/torchrun_forked.py:
+# ~8 of a 2-rank world's ~20 CPU-seconds were the workers' cold starts)
+TORCHRUN = [sys.executable, str(REPO / "tests" / "torchrun_forked.py")]
+
+
 def torchrun(script: Path, *args: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
     # --standalone: a local c10d rendezvous on a free port (several test runs can share the machine)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *args]
+    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
     p = preloaded.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=TORCHRUN_TIMEOUT_S,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and p.returncode != 0:
@@ -260,17 +264,23 @@ def torchrun_nodes(script: Path, node_args: list[list[str]]) -> list[subprocess.
     """One torchrun per simulated node (1 CPU rank each), joined by a static rendezvous on localhost:
     what `torchrun --nnodes=N --node-rank=I` does on N machines. `node_args[i]`: node i's arguments."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(node_args)}",
-                               f"--node-rank={i}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                               f"--master-port={port}", str(script), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for i, args in enumerate(node_args)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=TORCHRUN_TIMEOUT_S)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argvs = [[*TORCHRUN, f"--nnodes={len(node_args)}", f"--node-rank={i}", "--nproc-per-node=1",
+              "--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args] for i, args in enumerate(node_args)]
+    if not preloaded.preloadable(argvs[0]):  # PRODIP_TEST_COLD=1: every node's torchrun started cold
+        procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+                 for a in argvs]
+        outs = [p.communicate(timeout=TORCHRUN_TIMEOUT_S) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outs, strict=True)]
+    nodes = [preloaded.Forked(a, cwd=REPO, env=env) for a in argvs]  # started together: they rendezvous
+    try:
+        return [subprocess.CompletedProcess(n.args, n.wait(TORCHRUN_TIMEOUT_S), *n.output()) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait()
+            n.close()
 
 
 def test_mesh_shape_is_hsdp_across_nodes_and_flat_within_one() -> None:

@@ -33,7 +33,7 @@ TOP1 = {"int8": 0.95, "int4": 0.9}
 
 def size(model: Path) -> int:
     """A model file with its external data."""
-    return model.stat().st_size + model.with_name(model.name + ".data").stat().st_size
+    return model.stat().st_size + model.with_name(model.name + "_data").stat().st_size
 
 
 def session(path) -> ort.InferenceSession:
@@ -59,7 +59,9 @@ def test_files_config_and_checker(onnx_export, torch_model):
     cfg = model.cfg
     names = {p.name for p in files}
     models = {"model.onnx", "model-int8.onnx", "model-int4.onnx"}
-    assert names == models | {m + ".data" for m in models} | {"tokenizer.model", "onnx_config.json"}
+    # the weights as optimum and transformers.js name them (model.onnx_data), the HF files transformers.js reads
+    hub = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert names == models | {m + "_data" for m in models} | {"tokenizer.model", "onnx_config.json"} | hub
     assert files[-1].name == "onnx_config.json"  # written last: it marks a complete export
     assert all(p.is_file() for p in files)
     meta = json.loads((out / "onnx_config.json").read_text())
@@ -207,12 +209,14 @@ def test_force_overwrites(onnx_export, onnx_run, tmp_path):
     out = tmp_path / "onnx"
     shutil.copytree(src, out)
     (out / "model.onnx").write_bytes(b"stale")
+    (out / "model-int8.onnx.data").write_bytes(b"stale")  # an older export's name for the external data
     files = export_onnx(onnx_run, out, force=True)  # fp32 only this time
-    assert sorted(p.name for p in files) == ["model.onnx", "model.onnx.data", "onnx_config.json", "tokenizer.model"]
+    assert sorted(p.name for p in files) == ["config.json", "generation_config.json", "model.onnx", "model.onnx_data",
+                                             "onnx_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
     onnx.checker.check_model(str(out / "model.onnx"))
     meta = json.loads((out / "onnx_config.json").read_text())
     assert meta["files"] == {"fp32": "model.onnx"} and meta["checks"]["fp32"]["max_abs_diff_vs_torch"] <= EXACT
-    assert (out / "model.onnx.data").is_file() and not list(out.glob(".*"))  # no temporary left behind
+    assert (out / "model.onnx_data").is_file() and not list(out.glob(".*"))  # no temporary left behind
     assert not [p for p in out.iterdir() if p.name.startswith(("model-int8", "model-int4"))]  # no stale variants
 
 

@@ -140,7 +140,7 @@ def test_serving_refuses_a_changed_export_file_before_loading_it(run, capsys, mo
 
 
 def test_a_load_reads_the_model_its_sidecars_and_the_files_beside_it_not_the_other_models(tmp_path):
-    names = ["onnx/model.onnx", "onnx/model.onnx.data", "onnx/model-int8.onnx", "onnx/model-int8.onnx.data",
+    names = ["onnx/model.onnx", "onnx/model.onnx_data", "onnx/model-int8.onnx", "onnx/model-int8.onnx_data",
              "onnx/tokenizer.model", "onnx/onnx_config.json", "gguf/r-F16.gguf", "gguf/r-Q4_K_M.gguf",
              "hf/config.json", "hf/model.safetensors"]
     for n in names:
@@ -148,7 +148,7 @@ def test_a_load_reads_the_model_its_sidecars_and_the_files_beside_it_not_the_oth
         (tmp_path / n).touch()
     m = Manifest(tmp_path, dict.fromkeys(names, {"size": 0, "sha256": "0" * 64}))
     assert files_read_by(m, tmp_path / "onnx" / "model.onnx") == [
-        "onnx/model.onnx", "onnx/model.onnx.data", "onnx/onnx_config.json", "onnx/tokenizer.model"]
+        "onnx/model.onnx", "onnx/model.onnx_data", "onnx/onnx_config.json", "onnx/tokenizer.model"]
     assert files_read_by(m, tmp_path / "gguf" / "r-Q4_K_M.gguf") == ["gguf/r-Q4_K_M.gguf"]
     assert files_read_by(m, tmp_path / "hf") == ["hf/config.json", "hf/model.safetensors"]
     (tmp_path / "gguf" / "mine.gguf").touch()

@@ -117,7 +117,7 @@ VALUES: dict[str, dict[str, Values]] = {
                         "--stride": POSITIVE},
     "serving": {"--max-tokens": NEW_TOKENS, "--temperature": TEMPERATURE, "--top-k": TOP_K, "--top-p": TOP_P,
                 "--repeat-penalty": PENALTY, "--seed": SEED, "--threads": POSITIVE, "--max-body-bytes": POSITIVE,
-                "--max-tokens-cap": NEW_TOKENS, "--lora-scale": NONNEG},
+                "--max-tokens-cap": NEW_TOKENS, "--lora-scale": NONNEG, "--port": PORT},
     "demo": {"--port": PORT, "--threads": POSITIVE},
     "quickstart": {"--vocab-size": QUICK_VOCAB, "--steps": EVERY, "--sft-steps": EVERY, "--port": PORT},
     "prepare merge": {},
@@ -162,7 +162,7 @@ CLIS: dict[str, CLI] = {
     "evaluate": CLI("training.evaluate.cli", (MISSING,), frozenset({"--text", "--mc", "--prompts", "--base"}),
                     frozenset({"--device", "--prompt-format"}),
                     outputs=OUT, valid=("{run}", "--out", "{tmp}/e", "--no-twin")),
-    "export": CLI("export.__main__", ("gguf", MISSING), frozenset({"--imatrix", "--texts"}),
+    "export": CLI("export.__main__", ("gguf", MISSING), frozenset({"--imatrix", "--texts", "--model"}),
                   frozenset({"--type", "--threshold"}), outputs=OUT,
                   valid=("gguf", "{run}", "--out", "{tmp}/x", "--f32", "--no-parity")),
     "export.evaluate": CLI("export.evaluate", (MISSING,), frozenset({"--reference", "--text", "--mc"}),
@@ -408,6 +408,7 @@ CONTEXT: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     **{("prepare", f): (("--executor", "slurm", "--partition", "cpu", "--time", "60", "--tokenizer", MISSING_TOKENIZER),
                         "missing") for f in ("--cpus-per-task", "--mem-per-cpu")},
     ("serving", "--lora-scale"): (("--lora", MISSING + "-lora.gguf"), "missing"),  # a scale needs its adapter
+    ("serving", "--port"): (("--web",), "missing"),  # the web export's port
 }
 
 

@@ -46,9 +46,27 @@ SPARE_KIND = ('-    return sorted({*DEFAULT_THRESHOLDS, "safetensors", "transfor
 
 def test_each_table_entry_is_one_exact_change() -> None:
     m = _bench()
-    keys = [m.table_key(f, old, new) for f, old, new, _ in (*m.EQUIVALENT, *m.LEFT)]
-    assert len(keys) == len(set(keys)), [k for k in keys if keys.count(k) > 1]
+    # a change is listed once per mutant it sets aside: twice only where one function makes it twice
+    # (each time with the same reason, in the same table)
+    for table in (m.EQUIVALENT, m.LEFT):
+        reasons: dict = {}
+        for f, old, new, why in table:
+            reasons.setdefault(m.table_key(f, old, new), set()).add(why)
+        assert all(len(r) == 1 for r in reasons.values()), [k for k, r in reasons.items() if len(r) > 1]
+    assert not set(m.EQUIVALENT_BY_KEY) & set(m.LEFT_BY_KEY)
     assert all(why for *_, why in (*m.EQUIVALENT, *m.LEFT))
+
+
+BREAK = "-                break\n+                return"
+
+
+def test_a_change_listed_twice_sets_aside_two_mutants_and_no_third() -> None:
+    m = _bench()
+    name = "serving.text_stream.xǁTextStreamǁ_run__mutmut_{}"
+    assert m.LISTED[m.entry_key("_run", BREAK)] == 2  # the two `break`s of TextStream._run
+    m.check_entries({name.format(19): BREAK, name.format(49): BREAK})
+    with pytest.raises(m.ToolError, match="matches more than one mutant: _run"):
+        m.check_entries({name.format(19): BREAK, name.format(49): BREAK, name.format(99): BREAK})
 
 
 def test_an_equivalent_is_matched_by_its_whole_change_only() -> None:
@@ -80,3 +98,25 @@ def test_the_report_counts_survivors_in_neither_table() -> None:
     assert (r["mutants"], r["equivalent"], r["unexplained"]) == (3, 1, 1)
     assert r["score"] == 1 / 3 and r["score_without_equivalent"] == 1 / 2
     assert "1 survivors in neither EQUIVALENT nor LEFT" in m.markdown(r)
+
+
+def test_each_function_filter_names_functions_that_exist() -> None:
+    """A target judged on part of its modules (FUNCTIONS) names each function by a glob: a renamed or removed
+    function would drop out of the score unseen, so each glob must match a function of the target's modules."""
+    import ast
+    import fnmatch
+
+    m = _bench()
+    for target, globs in m.FUNCTIONS.items():
+        assert target in m.TARGETS, target
+        names = []
+        for module in m.TARGETS[target][0]:
+            dotted = module.removesuffix(".py").replace("/", ".")
+            for node in ast.parse((REPO / module).read_text()).body:
+                if isinstance(node, ast.FunctionDef):
+                    names.append(f"{dotted}.x_{node.name}__mutmut_1")
+                elif isinstance(node, ast.ClassDef):
+                    names += [f"{dotted}.xǁ{node.name}ǁ{f.name}__mutmut_1" for f in node.body
+                              if isinstance(f, ast.FunctionDef)]
+        for g in globs:
+            assert any(fnmatch.fnmatch(n, g) for n in names), (target, g)

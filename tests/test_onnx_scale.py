@@ -47,7 +47,7 @@ def test_streamed_export_equals_pytorch_and_is_served(streamed, tiny_run):
     meta = json.loads((streamed / "onnx_config.json").read_text())
     assert meta["external_data"] and meta["checks"]["fp32"]["max_abs_diff_vs_torch"] <= 1e-4
     proto = onnx.load(str(streamed / "model.onnx"), load_external_data=False)
-    # the weights live only in model.onnx.data; the graph keeps small folded constants (RoPE frequencies, shapes)
+    # the weights live only in model.onnx_data; the graph keeps small folded constants (RoPE frequencies, shapes)
     assert proto.ByteSize() < 1 << 20
     assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer if len(t.raw_data) > 1024)
     assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer) >= 9 * 2 + 2

@@ -461,7 +461,7 @@ def test_safetensors_backend_reloads_the_exported_weights_bit_exactly(tmp_path: 
 def test_discover_lists_every_exported_file_of_the_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     files = {f"{HF_DIR}/{MODEL_WEIGHTS}": {"format": "hf"}, f"{HF_DIR}/config.json": {"format": "hf"},
              "m-Q8_0.gguf": {"format": "gguf"}, "onnx/model.onnx": {"format": "onnx"},
-             "onnx/model.onnx.data": {"format": "onnx"}, "notes.gguf": {"format": "other"}}
+             "onnx/model.onnx_data": {"format": "onnx"}, "notes.gguf": {"format": "other"}}
     manifest = SimpleNamespace(files=lambda fmt=None: {k: v for k, v in files.items() if fmt in (None, v["format"])})
     loads: list[tuple] = []
     monkeypatch.setattr(P.serving, "load", lambda path, *a: loads.append((Path(path), *a)) or Fake(name=Path(path).name))

@@ -200,10 +200,14 @@ def test_a_repeat_within_the_window_is_one_request_a_later_one_kills():
 
 
 # ---------------------------------------------------------------------------------------- torchrun
-def _torchrun_argv(data: Path, out: Path) -> list[str]:
+def _torchrun_argv(data: Path, out: Path, forked: bool = False) -> list[str]:
+    """torchrun over train.py; `forked`: its workers forked from the preloaded interpreter (tests/torchrun_forked.py)
+    for the runs that are not signalled: a signalled run's workers are found through /proc (_workers), which shows
+    a forked worker's initial environment, not its RANK."""
     argv = train_argv(data, out, "--device", "cpu", steps=STEPS, save_every=0)
     assert argv[1] == str(REPO / "training" / "train.py")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv[1:]]
+    launcher = [str(REPO / "tests" / "torchrun_forked.py")] if forked else ["-m", "torch.distributed.run"]
+    return [sys.executable, *launcher, "--standalone", "--nproc_per_node=2", *argv[1:]]
 
 
 def _workers(pid: int) -> dict[int, int]:
@@ -234,7 +238,7 @@ def torchrun_reference(bn_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("preempt-torchrun-ref") / "run"
     log = out.parent / "ref.log"
     with open(log, "w") as f:
-        p = preloaded.popen(_torchrun_argv(bn_data, out), cwd=REPO, env=child_env(), stdout=f,
+        p = preloaded.popen(_torchrun_argv(bn_data, out, forked=True), cwd=REPO, env=child_env(), stdout=f,
                             stderr=subprocess.STDOUT)
 
     def finished() -> Path:
@@ -279,7 +283,7 @@ def test_torchrun_one_rank_signalled_all_ranks_stop_at_the_same_step(bn_data, tm
     assert [r["step"] for r in _step_records(run)] == list(range(1, n + 1))
     assert [ckpt.step_of(c) for c in ckpt.list_checkpoints(run)] == [n]
 
-    r = _torchrun(argv)
+    r = _torchrun(_torchrun_argv(bn_data, run, forked=True))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"(step {n}," in r.stdout and "resumed from" in r.stdout, r.stdout[-2000:]
     _assert_same_run(run, ref)

@@ -104,3 +104,41 @@ def test_a_forked_training_run_equals_a_cold_one(bn_data, tmp_path):
     a = load_file(str(ckpt.latest(runs["forked"]) / ckpt.MODEL_FILE))
     b = load_file(str(ckpt.latest(runs["cold"]) / ckpt.MODEL_FILE))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+WORKER_PROBE = textwrap.dedent("""
+    import json, os, sys
+    print(json.dumps({"rank": int(os.environ["RANK"]), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+                      "name": __name__, "env": os.environ.get("PROBE_VAR"), "own_session": os.getsid(0) == os.getpid(),
+                      "parent": os.getppid(), "unbuffered": not sys.stdout.line_buffering}))
+    sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
+""")
+
+
+def test_torchrun_workers_forked_by_torchrun_forked_are_set_up_as_torchrun_starts_them(tmp_path):
+    """tests/torchrun_forked.py (the distributed tests' torchrun) against `python -m torch.distributed.run`:
+    each worker sees the same argv, sys.path[0], folder, environment and `__main__`, runs in its own session
+    as the agent's child, and the agent reports a worker's exit status as it reports a cold worker's."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_PROBE, encoding="utf-8")
+    env = {**child_env(threads=1), "PROBE_VAR": "বাংলা"}
+    args = ["--standalone", "--nproc_per_node=2", str(script)]
+    for code in ("0", "3"):
+        launched = {"forked": preloaded.Forked([sys.executable, str(preloaded.REPO / "tests" / "torchrun_forked.py"),
+                                                *args, code], cwd=tmp_path, env=env),
+                    "cold": subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, code], cwd=tmp_path,
+                                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)}
+        seen = {}
+        for how, p in launched.items():
+            rc = p.wait(timeout=120)
+            out, err = p.output() if how == "forked" else p.communicate()
+            rows = sorted((json.loads(x) for x in out.splitlines() if x.startswith("{")), key=lambda r: r["rank"])
+            assert [r["rank"] for r in rows] == [0, 1] and all(r.pop("parent") == p.pid for r in rows), (how, out, err)
+            seen[how] = (rc, rows, f"exitcode  : {code}" in err)
+            if how == "forked":
+                p.close()
+        assert seen["forked"] == seen["cold"], seen
+        rc, rows, reported = seen["cold"]
+        assert rc == (code != "0") and reported == (code != "0"), seen
+        assert rows[0] == {"rank": 0, "argv": [str(script), code], "path0": str(tmp_path), "cwd": str(tmp_path),
+                           "name": "__main__", "env": "বাংলা", "own_session": True, "unbuffered": True}, rows

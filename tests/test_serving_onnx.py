@@ -151,21 +151,21 @@ def test_rejects_mismatched_config(onnx_export, tmp_path):
     out, _ = onnx_export
     for key, value, msg in (("vocab_size", 4096, "tokenizer has"), ("n_layers", 3, "graph inputs do not match"),
                             ("head_dim", 32, "expected"), ("tokenizer_sha256", "0" * 64, "not the tokenizer")):
-        d = _copy(out, tmp_path / key, "model.onnx", "model.onnx.data", "tokenizer.model",
+        d = _copy(out, tmp_path / key, "model.onnx", "model.onnx_data", "tokenizer.model",
                   "onnx_config.json")
         meta = json.loads((d / "onnx_config.json").read_text())
         meta[key] = value
         (d / "onnx_config.json").write_text(json.dumps(meta))
         with pytest.raises(ServingError, match=msg):
             OnnxBackend(d)
-    d = _copy(out, tmp_path / "noconfig", "model.onnx", "model.onnx.data", "tokenizer.model")
+    d = _copy(out, tmp_path / "noconfig", "model.onnx", "model.onnx_data", "tokenizer.model")
     with pytest.raises(ServingError, match="onnx_config.json not found"):
         OnnxBackend(d)
 
 
 def test_rejects_variant_file_of_another_export(onnx_export, tmp_path):
     out, _ = onnx_export
-    d = _copy(out, tmp_path / "fp32only", "model.onnx", "model.onnx.data", "model-int8.onnx", "model-int8.onnx.data",
+    d = _copy(out, tmp_path / "fp32only", "model.onnx", "model.onnx_data", "model-int8.onnx", "model-int8.onnx_data",
               "tokenizer.model", "onnx_config.json")
     meta = json.loads((d / "onnx_config.json").read_text())
     meta["files"] = {"fp32": "model.onnx"}
@@ -215,7 +215,7 @@ def test_cli_refuses_foreign_and_truncated_onnx(onnx_export, tmp_path, case):
     """`python -m serving X.onnx`: an ONNX file another tool wrote (no onnx_config.json beside it), a
     truncated graph, truncated external data: one `error:` line naming the file, exit != 0, nothing changed."""
     out, _ = onnx_export
-    d = _copy(out, tmp_path / case, "model.onnx", "model.onnx.data", "tokenizer.model", "onnx_config.json")
+    d = _copy(out, tmp_path / case, "model.onnx", "model.onnx_data", "tokenizer.model", "onnx_config.json")
     if case == "other-tool":
         (d / "onnx_config.json").unlink()
         x = helper.make_tensor_value_info("pixels", TensorProto.FLOAT, [1, 784])
@@ -224,7 +224,7 @@ def test_cli_refuses_foreign_and_truncated_onnx(onnx_export, tmp_path, case):
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), d / "model.onnx")
         words = ("onnx_config.json not found",)
     else:
-        f = d / ("model.onnx" if case == "truncated-graph" else "model.onnx.data")
+        f = d / ("model.onnx" if case == "truncated-graph" else "model.onnx_data")
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
         words = ("model.onnx", "cannot load")
     before = _digest(d)

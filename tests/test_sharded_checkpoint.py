@@ -111,7 +111,7 @@ def export(path: Path, out: Path, fmt: str = "safetensors") -> subprocess.Comple
 
 
 # what each export writes from the weights alone (its reports hold timings): equal bytes from either form
-WEIGHT_FILES = {"safetensors": "*.safetensors", "gguf": "*.gguf", "onnx": "*.onnx.data"}
+WEIGHT_FILES = {"safetensors": "*.safetensors", "gguf": "*.gguf", "onnx": "*.onnx_data"}
 
 
 def weight_bytes(f: Path) -> dict[str, bytes]:

@@ -62,6 +62,18 @@ def check_base(lora: dict, where: Path) -> Path:
     return Path(base["path"])
 
 
+def check_fits(adapter: Path, base: Path) -> None:
+    """The adapter checkpoint's model config and tokenizer are its base's: refused naming both otherwise."""
+    ours, theirs = ckpt.read_config(adapter).to_dict(), ckpt.read_config(base).to_dict()
+    if ours != theirs:
+        diff = ", ".join(f"{k} {v} vs {theirs.get(k)}" for k, v in ours.items() if theirs.get(k) != v)
+        raise ckpt.CheckpointError(f"the adapter {adapter} was made for another model than its base {base}: {diff}")
+    a, b = (Tokenizer.load(p / ckpt.TOKENIZER_FILE).sha256 for p in (adapter, base))
+    if a != b:
+        raise ckpt.CheckpointError(f"the adapter {adapter} and its base {base} have different tokenizers "
+                                   f"(sha256 {a[:12]}... vs {b[:12]}...)")
+
+
 def adapted_model(cfg: ModelConfig, *, base: Path, spec: LoRASpec) -> Transformer:
     """The base's weights (fp32), every parameter frozen, adapters added: what an adapter run trains."""
     model = Transformer(cfg)
@@ -93,6 +105,7 @@ def load_adapted(path: str | Path, step: int | None = None, device: str = "cpu")
     state = ckpt.read_state(c)
     lora = state.get(STATE_KEY)
     base = check_base(lora, c / ckpt.STATE_FILE)
+    check_fits(c, base)
     model = adapted_model(ckpt.read_config(c), base=base, spec=LoRASpec.from_dict(lora.get("spec", {})))
     weights = read_adapter(c, model)
     model.load_state_dict(weights, strict=False)

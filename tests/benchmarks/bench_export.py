@@ -99,7 +99,7 @@ def main() -> int:
             else:
                 wall, cpu, rss, rc = run([sys.executable, "-m", "export", *cmd[:1], str(ck), "--out", str(out),
                                           "--no-parity", *cmd[1:]])
-            size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.suffix in (".gguf", ".safetensors", ".onnx", ".data"))
+            size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.suffix in (".gguf", ".safetensors", ".onnx", ".onnx_data", ".data"))
             target = ""
             if "Q4_K_M" in label or "streamed" in label:
                 met = wall <= TARGET_Q4_S and rss <= TARGET_RSS_RATIO * fp32

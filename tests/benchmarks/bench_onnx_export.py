@@ -151,7 +151,7 @@ def main() -> int:
                 ok = False
                 continue
             meta = json.loads((out / "onnx_config.json").read_text())
-            size = sum(p.stat().st_size for p in out.iterdir() if p.suffix in (".onnx", ".data"))
+            size = sum(p.stat().st_size for p in out.iterdir() if p.suffix in (".onnx", ".onnx_data", ".data"))
             stages = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in meta["timings_s"].items())
             q = [meta["checks"][v] for v in ("int8", "int4") if v in meta["checks"]]
             quality = "; ".join(f"{c['kl_mean']:.1e} / {c['top1_agreement']:.2f}" for c in q) or "—"

@@ -12,7 +12,9 @@ Rows, whichever exist:
   row runs with kv_f32=False here), flash attention off, batch 512, and generation measured at the same
   depth (-d = the prompt length);
 - ONNX Runtime GenAI on RUN_DIR/export/onnx/genai/<variant>/ (export.genai; when `onnxruntime-genai`
-  is installed).
+  is installed);
+- the browser: RUN_DIR/export/web/'s pages in headless Chromium (wllama on its GGUF, onnxruntime-web on each
+  ONNX variant; bench_browser.py), when `python -m export web` wrote them.
 Columns: file size, load time, time to first token (a fresh prompt of --prompt-tokens), generation
 tokens/s (tg: new tokens after the first, greedy, exactly --gen-tokens of them: end of turn is ignored,
 as llama-bench does) at 1 thread and at --threads (default: all cores),
@@ -41,21 +43,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from bench_browser import RUNNERS, browser_formats, measure_browser, prompt_text  # noqa: E402
+from bench_serving_table import GGUF_TYPES, table, verdicts  # noqa: E402
 
 PROMPT_TEXT = ("আমাদের গ্রামের পাশ দিয়ে একটি ছোট নদী বয়ে গেছে। বর্ষায় নদী ভরে ওঠে, শীতে শান্ত হয়ে যায়। "
                "সকালবেলা কৃষকেরা মাঠে যায়, ছেলেমেয়েরা স্কুলে যায়, আর মায়েরা রান্নাঘরে ব্যস্ত থাকেন। ")
 HELDOUT = REPO / "training" / "assets" / "eval" / "heldout_bn.txt"
 ONNX_VARIANTS = {"model.onnx": ("ONNX fp32", "fp32"), "model-int8.onnx": ("ONNX int8", "int8"),
                  "model-int4.onnx": ("ONNX int4", "int4")}
-GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M")
-TARGET_SPEEDUP = 5.0
-TARGET_VS_LLAMA_BENCH = 0.9
 BENCH_REPETITIONS = 3
 N_BATCH = 512  # serving.llamacpp's n_batch (and n_ubatch): llama-bench is run with the same
 KIB = 1024
 OUT_JSON, OUT_MD = "serving-bench.json", "serving-bench.md"
 RUNTIME_NAMES = {"torch": "PyTorch", "onnx": "ONNX Runtime (prodip)", "llama.cpp": "llama-cpp-python (prodip)",
-                 "llama-bench": "llama-bench (llama.cpp)", "genai": "ONNX Runtime GenAI"}
+                 "llama-bench": "llama-bench (llama.cpp)", "genai": "ONNX Runtime GenAI", **RUNNERS}
 
 
 # ------------------------------------------------------------------------------------ what exists
@@ -76,7 +77,7 @@ def formats(run: Path) -> list[dict]:
     for name, (label, variant) in ONNX_VARIANTS.items():
         f = onnx / name
         if f.is_file():
-            size = f.stat().st_size + sum(p.stat().st_size for p in onnx.glob(f"{name}.data*"))
+            size = f.stat().st_size + sum(p.stat().st_size for p in onnx.glob(f"{name}[._]data*"))
             out.append({"label": label, "runner": "onnx", "path": f, "bytes": size})
             g = onnx / GENAI_DIR / variant
             if genai and (g / GENAI_CONFIG).is_file():
@@ -88,7 +89,7 @@ def formats(run: Path) -> list[dict]:
             if bench is not None:
                 out.append({"label": f"GGUF {t}", "runner": "llama-bench", "path": f, "bytes": f.stat().st_size,
                             "same_as": f"GGUF {t}"})
-    return out
+    return out + browser_formats(run, GGUF_TYPES)
 
 
 def _has_genai() -> bool:
@@ -269,71 +270,16 @@ def run_child(fmt_: dict, threads: int, args: argparse.Namespace, reference: Pat
     return {**json.loads(p.stdout.strip().splitlines()[-1]), "load1": load1}
 
 
-# ------------------------------------------------------------------------------------ the table
-def fmt(v: float | None, spec: str) -> str:
-    return "—" if v is None else format(v, spec)
-
-
-def table(rows: list[dict], threads: int) -> str:
-    lines = [f"| format | runtime | file MiB | load s | TTFT ms | gen tok/s, 1 thread | gen tok/s, {threads} threads "
-             f"| CPU ms/token, 1 thread | peak RSS MiB | KL vs fp32 | top-1 vs fp32 | load avg (1 / {threads} thr) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    by_label = {r["label"]: r for r in rows if not r.get("same_as")}
-    for r in rows:
-        one, many = r["results"].get(1, {}), r["results"].get(threads, {})
-        runtime = RUNTIME_NAMES[r["runner"]]
-        loads = f"{fmt(one.get('load1'), '.1f')} / {fmt(many.get('load1'), '.1f')}"
-        err = one.get("error") or many.get("error")
-        if err:
-            lines.append(f"| {r['label']} | {runtime} | {r['bytes'] / KIB**2:.1f} | error: {err} | | | | | | | | {loads} |")
-            continue
-        q = by_label[r["same_as"]]["results"].get(threads, {}) if r.get("same_as") else many
-        rss = many.get("peak_rss_bytes")
-        short = f" (stopped after {many['n_gen']})" if many.get("n_gen", 0) < r.get("gen_tokens", 0) else ""
-        lines.append(f"| {r['label']} | {runtime} | {r['bytes'] / KIB**2:.1f} | {fmt(many.get('load_s'), '.2f')} | "
-                     f"{fmt(many.get('ttft_s') and many['ttft_s'] * 1000, '.0f')} | {fmt(one.get('gen_tps'), '.1f')} | "
-                     f"{fmt(many.get('gen_tps'), '.1f')}{short} | "
-                     f"{fmt(one.get('gen_cpu_s_per_token') and one['gen_cpu_s_per_token'] * 1000, '.2f')} | "
-                     f"{fmt(rss and rss / KIB**2, '.0f')} | "
-                     f"{fmt(q.get('kl'), '.2e') if r['runner'] != 'torch' else '0'} | "
-                     f"{fmt(q.get('top1') and q['top1'] * 100, '.1f') + '%' if q.get('top1') is not None else '—'} | "
-                     f"{loads} |")
-    return "\n".join(lines)
-
-
-def overhead_ms(ours_s: float, raw_s: float) -> str:
-    """Our extra time per token over llama-bench's, in ms: unlike the ratio, comparable across model sizes
-    (a fixed Python cost per token is a large share of a tiny model's step and a small one of a big one's)."""
-    return f"overhead {(ours_s - raw_s) * 1000:+.3f} ms"
-
-
-def verdicts(rows: list[dict], threads: int) -> list[str]:
-    out = []
-
-    def speed(label: str, runner: str, n: int, key: str = "gen_tps") -> float | None:
-        return next((r["results"].get(n, {}).get(key) for r in rows
-                     if r["label"] == label and r["runner"] == runner), None)
-
-    q4, fp32 = speed("GGUF Q4_K_M", "llama.cpp", threads), speed("PyTorch fp32", "torch", threads)
-    if q4 and fp32:
-        x = q4 / fp32
-        out.append(f"llama.cpp Q4_K_M generates {x:.1f}x as fast as PyTorch fp32 "
-                   f"({'meets' if x >= TARGET_SPEEDUP else 'misses'} the >= {TARGET_SPEEDUP:.0f}x target).")
-    for t in GGUF_TYPES:
-        for n in sorted({1, threads}):
-            ours, raw = speed(f"GGUF {t}", "llama.cpp", n), speed(f"GGUF {t}", "llama-bench", n)
-            if ours and raw:
-                x = ours / raw
-                out.append(f"GGUF {t}, {n} thread(s): our Python path {ours:.1f} tok/s = {x:.2f}x llama-bench {raw:.1f} "
-                           f"({overhead_ms(1 / ours, 1 / raw)} per token; "
-                           f"{'meets' if x >= TARGET_VS_LLAMA_BENCH else 'misses'} >= {TARGET_VS_LLAMA_BENCH}x).")
-        ours, raw = (speed(f"GGUF {t}", r, 1, "gen_cpu_s_per_token") for r in ("llama.cpp", "llama-bench"))
-        if ours and raw:  # CPU time per token: what other jobs on the machine do not change
-            x = raw / ours
-            out.append(f"GGUF {t}, 1 thread, CPU time per new token: ours {ours * 1000:.2f} ms, llama-bench "
-                       f"{raw * 1000:.2f} ms = {x:.2f}x llama-bench's speed ({overhead_ms(ours, raw)} per token; "
-                       f"{'meets' if x >= TARGET_VS_LLAMA_BENCH else 'misses'} >= {TARGET_VS_LLAMA_BENCH}x).")
-    return out
+def run_one(args: argparse.Namespace) -> dict:
+    """Child mode (--one RUNNER PATH): one file measured in this process."""
+    if args.one == "genai":
+        return measure_genai(args.run, args.threads, args.prompt_tokens, args.gen_tokens)
+    if args.one == "llama-bench":
+        return measure_llama_bench(args.run, args.threads, args.prompt_tokens, args.gen_tokens)
+    if args.one in RUNNERS:  # PATH: RUN/export/web/PAGE
+        text = prompt_text(args.run.parents[2], args.prompt_tokens, PROMPT_TEXT)
+        return measure_browser(args.run, args.threads, text, args.gen_tokens, BENCH_REPETITIONS)
+    return measure_backend(args.one, args.run, args.threads, args.prompt_tokens, args.gen_tokens, args.reference)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,13 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        if args.one == "genai":
-            r = measure_genai(args.run, args.threads, args.prompt_tokens, args.gen_tokens)
-        elif args.one == "llama-bench":
-            r = measure_llama_bench(args.run, args.threads, args.prompt_tokens, args.gen_tokens)
-        else:
-            r = measure_backend(args.one, args.run, args.threads, args.prompt_tokens, args.gen_tokens, args.reference)
-        print(json.dumps(r))
+        print(json.dumps(run_one(args)))
         return 0
     if not args.run.is_dir():
         print(f"error: not a run folder: {args.run}", file=sys.stderr)
@@ -391,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{os.cpu_count()} CPUs, load average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. "
             f"Ours and llama-bench: mean of {BENCH_REPETITIONS} runs; ONNX Runtime GenAI: best of {BENCH_REPETITIONS}"
             + (f"; each row measured {args.rounds} times, interleaved, median shown." if args.rounds > 1 else "."))
-    text = "\n\n".join([head, table(found, args.threads), *verdicts(found, args.threads)])
+    text = "\n\n".join([head, table(found, args.threads, RUNTIME_NAMES), *verdicts(found, args.threads)])
     print(text)
     record = {"run": str(args.run), "threads": args.threads, "prompt_tokens": args.prompt_tokens,
               "gen_tokens": args.gen_tokens, "cpus": os.cpu_count(), "load_start": load_start,

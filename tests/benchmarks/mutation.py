@@ -1,3 +1,4 @@
+# size: EQUIVALENT and LEFT hold one entry per set-aside mutant of every target (data); the tool is ~200 lines
 """Mutation score of the verification core: can its tests fail? (a benchmark, not a CI test)
 
     python tests/benchmarks/mutation.py --target schema --out /tmp/mutation
@@ -13,7 +14,8 @@ Some survivors cannot be killed because they change nothing observable (an equiv
 change (the function, its lines before and after) with the reason, so an entry sets aside one mutant and
 no other (one that matches two stops the tool); LEFT lists the survivors that are not equivalent and are
 left, with why. The score is printed raw and with the equivalent ones set aside; a survivor in neither
-table is counted as unexplained.
+table is counted as unexplained. A change made twice in one function (two mutants, one diff) is listed twice.
+FUNCTIONS narrows a target to some functions of its modules (the read half of training/checkpoint.py).
 Writes mutation.json and mutation.md (score, one row per survivor with its diff) to --out.
 """
 
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +48,7 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "parity": (("export/parity.py",), ("tests/test_parity_oracles.py", "tests/test_parity.py::test_kl_and_thresholds",
                                        "tests/test_parity.py::test_prompt_set_covers_the_hard_cases")),
     # the model pre-flight gates: oracle tests on a tiny model (test_gates.py prepares a corpus and trains)
-    "gates": (("training/gates/model.py",), ("tests/test_gates_oracles.py",)),
+    "gates": (("training/gates/model.py", "training/gates/tolerance.py"), ("tests/test_gates_oracles.py",)),
     "gates-data": (("training/gates/data.py",), ("tests/test_data_gates_oracles.py",)),
     "gates-result": (("training/gates/result.py",), ("tests/test_gate_result_oracles.py",)),
     # the resume format: oracle tests on hand-built folders (test_crash_safety.py kills training 20 times and
@@ -60,6 +63,31 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "wellformed": (("training/wellformed.py",), ("tests/test_wellformed.py", "tests/test_wellformed_oracles.py")),
     # every KL of the project (parity, evaluation, the ONNX checks)
     "logprobs": (("training/logprobs.py",), ("tests/test_logprobs_oracles.py",)),
+    # the runtime checks' verdict per step and the pre-flight gates' resume logic, on stand-in objects (the
+    # training runs that reach them are subprocesses, which mutmut cannot see)
+    "checks": (("training/loop/checks.py",), ("tests/test_checks_mutants.py",)),
+    "preflight": (("training/loop/preflight.py",), ("tests/test_preflight_mutants.py",)),
+    # text out of a token stream, on a scripted backend (test_stream_text.py trains and exports a model)
+    "text-stream": (("serving/text_stream.py",), ("tests/test_text_stream_mutants.py",)),
+    # what a request body may say: the parsers called directly (test_http.py starts servers on a model)
+    "http-requests": (("serving/http_requests.py",), ("tests/test_http_requests_mutants.py",)),
+    # the checkpoint readers: checkpoint_verify.py and the read half of checkpoint.py (FUNCTIONS), on
+    # checkpoints of an untrained tiny model written in-process (test_checkpoint_damage.py trains a run)
+    "checkpoint-read": (("training/checkpoint_verify.py", "training/checkpoint.py"),
+                        ("tests/test_checkpoint_read_mutants.py",)),
+}
+# a target that mutates part of a module: the mutant names it judges (globs); the others are not run
+FUNCTIONS: dict[str, tuple[str, ...]] = {
+    # the gates and the report they read; plot_report (the matplotlib chart beside them, no verdict) is not
+    # verification and is judged by no test
+    "fertility": tuple(f"training.fertility.x_{f}__*" for f in (
+        "report_from_counts", "fertility_report", "balance_ratios", "_fmt", "fertility_gates", "format_table")),
+    "checkpoint-read": ("training.checkpoint_verify.*", "training.checkpoint.x_unreadable_tensors__*",
+                        "training.checkpoint.x_check_readable__*", "training.checkpoint.xǁShardedReaderǁ*",
+                        "training.checkpoint.x_open_tensors__*", "training.checkpoint.xǁCheckpointǁ*",
+                        "training.checkpoint.x_read_state__*", "training.checkpoint.x_read_config__*",
+                        "training.checkpoint.x_load__*", "training.checkpoint.x_load_weights__*",
+                        "training.checkpoint.x_load_model__*"),
 }
 # what the copy needs besides the mutated modules: every package, the tests and what they read
 COPY = ("training", "serving", "export", "demo", "tests", "docs", "scripts", "README.md", "pyproject.toml")
@@ -279,10 +307,230 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     # training/records.py
     ("read_log", 'value = loads(raw.decode("utf-8"))', 'value = loads(raw.decode("UTF-8"))',
      "codec names are case-insensitive"),
+    # training/loop/checks.py
+    ("judge", "r.spike_z = self.monitor.observe(step, r.loss)", "r.spike_z = self.monitor.observe(None, r.loss)",
+     "observe() keeps the step only in RuntimeMonitor.spikes, which nothing reads (grep: training/gates/runtime.py "
+     "alone); the z-score and the log event take the step from judge() itself"),
+    # serving/text_stream.py
+    ("bytes_decoder", 'return backend.detokenize(ids).encode("utf-8")', 'return backend.detokenize(ids).encode("UTF-8")',
+     "codec names are case-insensitive"),
+    *(("_run", "break", "return", "each `break` (cancelled; a stop string) leaves the loop, whose try is the "
+       "generator's last statement: `return` runs the same finally and ends it alike") for _ in range(2)),
+    *(("_run", "hits = [i for i in (text.find(s, emitted) for s in stops) if i >= 0]",
+       f"hits = [i for i in (text.find(s, {start}) for s in stops) if i >= 0]",
+       "searching from 0 instead of `emitted` finds the same first hit: the shown text holds no stop string "
+       "(any stop starting there had been held back by _held_tail until it completed or failed) and the "
+       "decoded text only ever grows at its end") for start in ("None", "")),
+    ("_run", 'text = ""', 'text = "XXXX"', "the initial text is read only as text[:emitted] with emitted 0 (no "
+     "token decoded yet): '' either way"),
+    ("_run", "decoded = decode_utf8(decode(gen), final=True)", "decoded = decode_utf8(decode(gen), )",
+     "final=True is decode_utf8's default"),
+    ("_run", "decoded = decode_utf8(decode(gen), final=False)", "decoded = decode_utf8(decode(gen), final=None)",
+     "decode_utf8 reads final as a truth value (`if not final`): None is False"),
+    # serving/http_requests.py
+    ("parse_body", 'text = raw.decode("utf-8")', 'text = raw.decode("UTF-8")', "codec names are case-insensitive"),
+    ("_text", 'v.encode("utf-8")', 'v.encode("UTF-8")', "codec names are case-insensitive"),
+    ("check_labels", '_label(v, f"metadata[{json.dumps(k, ensure_ascii=False)}]")',
+     '_label(v, f"metadata[{json.dumps(k, ensure_ascii=None)}]")', "None is falsy: ensure_ascii=False"),
+    ("check_fields",
+     'raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[-1])}")',
+     'raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[+1])}")',
+     "each NOOP_AT entry is a pair (None, the no-op value): index 1 is index -1"),
+    ("_field", "return check(type_, v, key, strict=True)", "return check(type_, v, key, strict=None)",
+     "every type _field is given (serving.backend's SAMPLING_TYPES) carries Strict() itself: no coercion either way"),
+    ("chat_messages", "if not m.keys() <= MESSAGE_KEYS:  # a dropped key would change the reply unseen",
+     "if not m.keys() < MESSAGE_KEYS:  # a dropped key would change the reply unseen",
+     "the test only skips the unknown-key check, which refuses nothing when the keys are exactly role and content"),
+    # training/checkpoint.py (target checkpoint-read)
+    *(("unreadable_tensors", "head = f.read(4)", f"head = f.read({n})",
+       "the head is only tested with startswith(PICKLE_HEADS), each at most 4 bytes: more bytes read decide alike")
+      for n in ("None", "5")),
+    ("unreadable_tensors", 'head = b""', 'head = b"XXXX"',
+     "an unreadable file's head: b'XXXX' starts with no pickle magic, as b'' does"),
+    ("check_readable", "continue", "break", "OPTIM_FILE is the loop's last file: skipping it and leaving the loop "
+     "end alike"),
+    *(("get_tensor", 'raise ValueError("no parts")', f"raise ValueError({text})", "caught two lines below and "
+       "replaced by 'damaged entry ...': its text is never shown") for text in ("None", '"XXno partsXX"', '"NO PARTS"')),
+    ("get_tensor", "parts = sorted(parts, key=lambda p: p[1] if isinstance(p[1], int) else -1)",
+     "parts = sorted(parts, key=lambda p: p[1] if isinstance(p[1], int) else -2)",
+     "any key below row 0 sorts a whole part ([file, null, null]) first, as -1 does"),
+    *(("get_tensor", "out = torch.empty(shape, dtype=dtype)", f"out = torch.empty(shape, {arg})",
+       "every row-split tensor prodip writes is fp32 (weights stored fp32, AdamW's moments fp32; step counts and RNG "
+       "states are whole): torch.empty's default dtype") for arg in ("dtype=None", "")),
+    ("get_tensor", "parts = sorted(parts, key=lambda p: p[1] if isinstance(p[1], int) else -1)",
+     "parts = sorted(parts, key=lambda p: p[2] if isinstance(p[1], int) else -1)",
+     "row parts that tile dim 0 (checked next) are in the same order by their ends as by their starts; parts that "
+     "do not tile it are refused in either order"),
+    *(("load", 'raise CheckpointError(f"{c / MODEL_FILE}: model weights not found")', f"raise CheckpointError({new})",
+       "unreachable: resolve() refuses a folder with neither model.safetensors nor shards.json first ('holds no "
+       "complete checkpoint', test_missing_weights_are_named)") for new in ("None", 'f"{c * MODEL_FILE}: model weights not found"')),
+    ("load_weights", "missing, unexpected = model.load_state_dict(weights, strict=False)",
+     "missing, unexpected = model.load_state_dict(weights, strict=None)",
+     "load_state_dict reads strict as a truth value: None is False"),
+    # training/checkpoint_verify.py (target checkpoint-read)
+    ("check_fits", 'if getattr(getattr(model, "cfg", None), "tie_embeddings", False):',
+     'if getattr(getattr(model, "cfg", None), "tie_embeddings", None):',
+     "the default is read only as a truth value: None is False"),
+    ("check_fits", 'expected.pop("output.weight", None)', 'expected.pop("output.weight", )',
+     "a tied Transformer's state_dict lists output.weight (the tied head) always: the default is never needed"),
+    ("_run", "emitted = len(text)", "emitted = None", "the last statement before the finally, which reads it "
+     "only as text[:emitted]: text[:None] is text[:len(text)]"),
 )
 # Survivors that are not equivalent and are left, each with why (the same exact keys as EQUIVALENT): listed so
 # that every survivor of a report is explained or stands out as new.
-LEFT: tuple[tuple[str, str, str, str], ...] = ()
+_NONFINITE_JSON = "(self.out / layout.NONFINITE).write_text(json.dumps(diag, indent=2))"
+# training/gates/model.py and tolerance.py (target `gates`, 2026-12-06): why each group is left
+_GPU_ONLY = ("a device placement (the broadcast's buffers, the overfit snapshot's host copy): the same place on the "
+             "CPU, where every test runs; only a GPU run (NCCL needs CUDA tensors) can tell")
+_BF16_PATH = ("the bf16/fp16 path (the measured floor, cast-once naming): reached only under bf16 autocast, and "
+              "test_gates_oracles judges fp32 objects; tests/test_gpu_path.py pins it in-process but on the prepared "
+              "gate_data corpus (minutes per mutant), outside this target")
+_ADAPTER_RUN = ("an adapter (LoRA) run's reference model, added with the lora issue: no oracle test builds an adapter "
+                "run's context yet; tests/test_lora.py judges its gates through training")
+_LOSS_WITH_LOGITS = ("differs only for a pass that compares the loss (want_logits False) of a model that also "
+                     "returns logits; the oracle models compare logits")
+_ZERO_TOLERANCE = "differs only for a tolerance of exactly 0 (a bf16 floor measured as 0), never an fp32 one"
+_NO_GRADIENT = ("the default when no gradient was compared: a gate over no trainable parameter, which "
+                "gradient_flow fails first; no oracle input reaches it")
+_SAME_TOLERANCE = ("orders the failures shown by error / tolerance: in fp32 every entry has the same TOLERANCE, so "
+                   "dividing by 1.0 instead orders them alike; only the split bf16 tolerances tell")
+LEFT: tuple[tuple[str, str, str, str], ...] = (
+    # training/checkpoint.py (target checkpoint-read)
+    ("get_tensor", "if parts[0][1] is None:  # whole, in one file (RNG states, step counts)",
+     "if parts[0][2] is None:  # whole, in one file (RNG states, step counts)",
+     "the writer's parts are [file, null, null] or [file, lo, hi]: lo is null exactly when hi is; a damaged "
+     "[file, null, hi] is refused either way, with another message"),
+    *(("_check_rows", "if not (isinstance(shape, list) and shape and all(type(n) is int and n >= 0 for n in shape)):",
+       f"if not (isinstance(shape, list) and shape and all(type(n) is int and {cond} for n in shape)):",
+       "refuses a zero-length dimension, which no model weight or optimizer moment has, so no checkpoint holds one")
+      for cond in ("n > 0", "n >= 1")),
+    *(("load_weights", old, old.replace("[:5]", "[:6]"), "how many names the message lists (5 or 6): a length "
+       "chosen for reading, which no requirement states") for old in (
+        'raise CheckpointError(f"weights do not fit the model: missing {sorted(set(missing) - allowed)[:5]}, "',
+        'f"unexpected {sorted(unexpected)[:5]}")')),
+    *(("check_fits", old, new, "how many names the message lists (3 or 4): a length chosen for reading, which no "
+       "requirement states") for old, new in (
+        ('raise CheckpointError(f"{where}: weights do not fit the model: missing {missing[:3]}, unexpected "',
+         'raise CheckpointError(f"{where}: weights do not fit the model: missing {missing[:4]}, unexpected "'),
+        ('f"{unexpected[:3]}, wrong shape {wrong[:3]}")', 'f"{unexpected[:4]}, wrong shape {wrong[:3]}")'),
+        ('f"{unexpected[:3]}, wrong shape {wrong[:3]}")', 'f"{unexpected[:3]}, wrong shape {wrong[:4]}")'))),
+    # _GPU_ONLY
+    ('_broadcast', 'out = t if tuple(shape.tolist()) == tuple(t.shape) else torch.empty(shape.tolist(), dtype=t.dtype, device=t.device)',
+     'out = t if tuple(shape.tolist()) == tuple(t.shape) else torch.empty(shape.tolist(), dtype=t.dtype, device=None)', _GPU_ONLY),
+    ('_broadcast', 'out = t if tuple(shape.tolist()) == tuple(t.shape) else torch.empty(shape.tolist(), dtype=t.dtype, device=t.device)',
+     'out = t if tuple(shape.tolist()) == tuple(t.shape) else torch.empty(shape.tolist(), dtype=t.dtype, )', _GPU_ONLY),
+    ('_broadcast', 'shape = torch.tensor(list(t.shape), device=t.device)',
+     'shape = torch.tensor(list(t.shape), device=None)', _GPU_ONLY),
+    ('_broadcast', 'shape = torch.tensor(list(t.shape), device=t.device)',
+     'shape = torch.tensor(list(t.shape), )', _GPU_ONLY),
+    ('snapshot', 'return [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]',
+     'return [_local(p).detach().to(None, copy=True) for p in model.parameters()]', _GPU_ONLY),
+    ('snapshot', 'return [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]',
+     'return [_local(p).detach().to(copy=True) for p in model.parameters()]', _GPU_ONLY),
+    # _BF16_PATH
+    ('compiled_vs_eager', 'tol_logits, tol_grads, fl, fg = low_precision_tolerance(ref, ctx, batch, want_logits, base)',
+     'tol_logits, tol_grads, fl, fg = low_precision_tolerance(ref, ctx, batch, None, base)', _BF16_PATH),
+    ('compiled_vs_eager', 'floor = f"; {prec} floor (eager vs eager, weights jittered by {FLOOR_JITTER:.3g}): {fl:.2e} / {fg:.2e}"',
+     'floor = None', _BF16_PATH),
+    ('nonreference_paths', 'if getattr(ctx.model, "casts_once", False):',
+     'if getattr(None, "casts_once", False):', _BF16_PATH),
+    ('nonreference_paths', 'if getattr(ctx.model, "casts_once", False):',
+     'if getattr(ctx.model, "casts_once", None):', _BF16_PATH),
+    ('nonreference_paths', 'if getattr(ctx.model, "casts_once", False):',
+     'if getattr(ctx.model, "XXcasts_onceXX", False):', _BF16_PATH),
+    ('nonreference_paths', 'if getattr(ctx.model, "casts_once", False):',
+     'if getattr(ctx.model, "CASTS_ONCE", False):', _BF16_PATH),
+    ('nonreference_paths', 'out.append("bf16 weights cast once per step")',
+     'out.append(None)', _BF16_PATH),
+    ('nonreference_paths', 'out.append("bf16 weights cast once per step")',
+     'out.append("XXbf16 weights cast once per stepXX")', _BF16_PATH),
+    ('nonreference_paths', 'out.append("bf16 weights cast once per step")',
+     'out.append("BF16 WEIGHTS CAST ONCE PER STEP")', _BF16_PATH),
+    ('low_precision_tolerance', 'gen = torch.Generator(device=ctx.device).manual_seed(FLOOR_SEED)',
+     'gen = None', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) + 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (2 / torch.rand(p.shape, generator=gen, device=p.device) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (3 * torch.rand(p.shape, generator=gen, device=p.device) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=None, device=p.device) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=None) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, device=p.device) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, ) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 2))', _BF16_PATH),
+    ('low_precision_tolerance', 'out, grads = reference_pass(ref, ctx, batch, want_logits)',
+     'out, grads = reference_pass(ref, ctx, batch, None)', _BF16_PATH),
+    ('low_precision_tolerance', 'gen = torch.Generator(device=ctx.device).manual_seed(FLOOR_SEED)',
+     'gen = torch.Generator(device=None).manual_seed(FLOOR_SEED)', _BF16_PATH),
+    ('low_precision_tolerance', "if p.dim() >= 2:  # what autocast rounds to bf16 (the norms' vectors compute in fp32)",
+     "if p.dim() > 2:  # what autocast rounds to bf16 (the norms' vectors compute in fp32)", _BF16_PATH),
+    ('low_precision_tolerance', 'floor_grads = max(errors.values(), default=0.0)',
+     'floor_grads = max(errors.values(), default=None)', _BF16_PATH),
+    ('low_precision_tolerance', 'floor_grads = max(errors.values(), default=0.0)',
+     'floor_grads = max(errors.values(), )', _BF16_PATH),
+    ('low_precision_tolerance', 'floor_grads = max(errors.values(), default=0.0)',
+     'floor_grads = max(errors.values(), default=1.0)', _BF16_PATH),
+    ('low_precision_tolerance', "if p.dim() >= 2:  # what autocast rounds to bf16 (the norms' vectors compute in fp32)",
+     "if p.dim() >= 3:  # what autocast rounds to bf16 (the norms' vectors compute in fp32)", _BF16_PATH),
+    ('low_precision_tolerance', 'tol_l, tol_g = (min(FLOOR_K * f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, strict=True))',
+     'tol_l, tol_g = (min(FLOOR_K / f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, strict=True))', _BF16_PATH),
+    ('low_precision_tolerance', 'tol_l, tol_g = (min(FLOOR_K * f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, strict=True))',
+     'tol_l, tol_g = (min(FLOOR_K * f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, strict=None))', _BF16_PATH),
+    ('low_precision_tolerance', 'tol_l, tol_g = (min(FLOOR_K * f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, strict=True))',
+     'tol_l, tol_g = (min(FLOOR_K * f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, ))', _BF16_PATH),
+    ('low_precision_tolerance', 'tol_l, tol_g = (min(FLOOR_K * f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, strict=True))',
+     'tol_l, tol_g = (min(FLOOR_K * f, cap) for f, cap in zip((floor_logits, floor_grads), FLOOR_MAX, strict=False))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 - FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(2 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))', _BF16_PATH),
+    ('low_precision_tolerance', 'p.mul_(1 + FLOOR_JITTER * (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))',
+     'p.mul_(1 + FLOOR_JITTER / (2 * torch.rand(p.shape, generator=gen, device=p.device) - 1))', _BF16_PATH),
+    # _ADAPTER_RUN
+    ('reference_model', 'if (spec := getattr(ctx.raw_model, "lora_spec", None)) is not None:  # an adapter run: the same adapters',
+     'if (spec := getattr(ctx.raw_model, "XXlora_specXX", None)) is not None:  # an adapter run: the same adapters', _ADAPTER_RUN),
+    ('reference_model', 'if (spec := getattr(ctx.raw_model, "lora_spec", None)) is not None:  # an adapter run: the same adapters',
+     'if (spec := getattr(ctx.raw_model, "LORA_SPEC", None)) is not None:  # an adapter run: the same adapters', _ADAPTER_RUN),
+    ('reference_model', 'add_adapters(ref, spec)',
+     'add_adapters(None, spec)', _ADAPTER_RUN),
+    ('reference_model', 'add_adapters(ref, spec)',
+     'add_adapters(ref, None)', _ADAPTER_RUN),
+    ('reference_model', 'add_adapters(ref, spec)',
+     'add_adapters(spec)', _ADAPTER_RUN),
+    ('reference_model', 'add_adapters(ref, spec)',
+     'add_adapters(ref, )', _ADAPTER_RUN),
+    ('reference_model', 'if (spec := getattr(ctx.raw_model, "lora_spec", None)) is not None:  # an adapter run: the same adapters',
+     'if (spec := getattr(None, "lora_spec", None)) is not None:  # an adapter run: the same adapters', _ADAPTER_RUN),
+    # _LOSS_WITH_LOGITS
+    ('reference_pass', 'out = (logits if want_logits and logits is not None else loss).detach().float()',
+     'out = (logits if want_logits or logits is not None else loss).detach().float()', _LOSS_WITH_LOGITS),
+    # _ZERO_TOLERANCE
+    ('verdict', 'worst = max(errors, key=lambda k: errors[k] / tol[k] if tol[k] else math.inf)  # nearest to (or past) its tolerance',
+     'worst = max(errors, key=lambda k: errors[k] / tol[k] if (tol[k]) or True else math.inf)  # nearest to (or past) its tolerance', _ZERO_TOLERANCE),
+    # _NO_GRADIENT
+    ('verdict', 'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], default="logits")',
+     'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], default=None)', _NO_GRADIENT),
+    ('verdict', 'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], default="logits")',
+     'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], )', _NO_GRADIENT),
+    ('verdict', 'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], default="logits")',
+     'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], default="XXlogitsXX")', _NO_GRADIENT),
+    ('verdict', 'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], default="logits")',
+     'worst_grad = max((k for k in errors if k != "logits"), key=lambda k: errors[k], default="LOGITS")', _NO_GRADIENT),
+    # _SAME_TOLERANCE
+    ('verdict', 'shown = ", ".join(f"{k} {errors[k]:.2e}" for k in sorted(bad, key=lambda k: -errors[k] / max(tol[k], 1e-30))[:6])',
+     'shown = ", ".join(f"{k} {errors[k]:.2e}" for k in sorted(bad, key=lambda k: -errors[k] / max(tol[k], 1.0))[:6])', _SAME_TOLERANCE),
+
+    # training/loop/checks.py: nonfinite.json's indentation (the same JSON value, laid out otherwise)
+    *(("nonfinite", _NONFINITE_JSON, _NONFINITE_JSON.replace("indent=2", new), "the layout of nonfinite.json "
+       "only (the same JSON value, which is what docs/gates.md promises and every reader parses); pinning "
+       "2 spaces would copy the code") for new in ("indent=None", "", "indent=3")),
+)
 STATUS = {"killed": "killed", "survived": "survived", "timeout": "timeout", "no tests": "no tests",
           "suspicious": "suspicious", "skipped": "skipped", "segfault": "killed"}
 
@@ -293,8 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=sorted(TARGETS), required=True, help="which modules and their tests")
     p.add_argument("--out", type=Path, default=Path("mutation-report"), help="folder for mutation.json/.md")
     p.add_argument("--max-children", type=int, default=2, help="mutants run at once (default 2)")
-    p.add_argument("--only", default="", help="run only the mutants whose name matches this glob "
-                                              "(e.g. 'training.schema.x_one_of*')")
+    p.add_argument("--only", action="append", default=[], help="run only the mutants whose name matches this "
+                                                               "glob (e.g. 'training.schema.x_one_of*'; repeatable)")
     p.add_argument("--force", action="store_true", help="overwrite an existing report in --out")
     return p
 
@@ -365,6 +613,9 @@ def table_key(func: str, old: str, new: str) -> tuple[str, str]:
 
 EQUIVALENT_BY_KEY = {table_key(f, old, new): why for f, old, new, why in EQUIVALENT}
 LEFT_BY_KEY = {table_key(f, old, new): why for f, old, new, why in LEFT}
+# how many mutants each key sets aside: one per entry. The same change made twice in one function (two
+# `break` statements each turned into `return`) gives two mutants with one diff: it is listed twice.
+LISTED = Counter(table_key(f, old, new) for f, old, new, _ in (*EQUIVALENT, *LEFT))
 
 
 def equivalent(name: str, diff: str) -> str:
@@ -379,13 +630,14 @@ def left(name: str, diff: str) -> str:
 
 def check_entries(diffs: dict[str, str]) -> None:
     """An entry of EQUIVALENT or LEFT names one mutant: one that matches two set aside a mutant by accident
-    (as a substring once matched `np.unique(None)`, which blinds the overlap gate)."""
+    (as a substring once matched `np.unique(None)`, which blinds the overlap gate). A change listed k times
+    (made k times in one function) may match k mutants, no more."""
     seen: dict[tuple[str, str], list[str]] = {}
     for n, d in diffs.items():
         key = entry_key(function_of(n), d)
         if key in EQUIVALENT_BY_KEY or key in LEFT_BY_KEY:
             seen.setdefault(key, []).append(n)
-    twice = {k: v for k, v in seen.items() if len(v) > 1}
+    twice = {k: v for k, v in seen.items() if len(v) > LISTED[k]}
     if twice:
         raise ToolError("an EQUIVALENT/LEFT entry matches more than one mutant: " +
                         "; ".join(f"{k[0]} {k[1]!r}: {', '.join(sorted(v))}" for k, v in sorted(twice.items())))
@@ -438,10 +690,11 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         copy_repo(work, modules, tests)
         print(f"mutating {', '.join(modules)} against {', '.join(tests)} in {work} ...", flush=True)
-        run = mutmut(work, "run", "--max-children", str(args.max_children), *([args.only] if args.only else []))
+        only = args.only or list(FUNCTIONS.get(args.target, ()))
+        run = mutmut(work, "run", "--max-children", str(args.max_children), *only)
         statuses = results(work)
-        if args.only:
-            statuses = {n: s for n, s in statuses.items() if fnmatch.fnmatch(n, args.only)}
+        if only:
+            statuses = {n: s for n, s in statuses.items() if any(fnmatch.fnmatch(n, g) for g in only)}
         if not statuses:  # a run that judged nothing has failed
             print(f"error: mutmut judged no mutant (exit {run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}",
                   file=sys.stderr)
