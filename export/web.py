@@ -12,8 +12,9 @@
       vendor/                          the runtimes' JS and .wasm, copied from export/site/node_modules
 
 Nothing is fetched from outside the page's own origin. Every file is recorded in manifest.json
-(format "web"), so `python -m export verify` covers them. Model files are hard links to the export's
-own files where the file system allows (copies otherwise); the export writes new files, never in place.
+(format "web"), so `python -m export verify` covers them. The GGUF is a hard link to the export's own file
+where the file system allows (a copy otherwise); ONNX files are copied (onnx.checker refuses external data
+with several hard links). The export writes new files, never in place.
 """
 
 from __future__ import annotations
@@ -161,6 +162,11 @@ def link_or_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def copy_file(src: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copyfile(src, dst))
+
+
 def split_gguf(src: Path, dst_dir: Path, max_bytes: int | None = None) -> list[Path]:
     """`src` as llama.cpp's split GGUF shards (NAME-00001-of-0000N.gguf, gguf-py's writer: the same format
     llama-gguf-split writes and llama.cpp / wllama load from the first shard's name)."""
@@ -185,7 +191,9 @@ def model_files(p: WebPlan) -> tuple[list[Path], dict[str, list[Path]]]:
               else [link_or_copy(p.gguf, models / p.gguf.name)])
     onnx: dict[str, list[Path]] = {}
     for variant, f in p.onnx.items():
-        onnx[variant] = [link_or_copy(src, models / "onnx" / src.name) for src in onnx_with_data(f)]
+        # copies, never links: onnx.checker refuses external data with several hard links ("a potential
+        # hardlink attack"), so a linked copy here would break the export's own ONNX files for it
+        onnx[variant] = [copy_file(src, models / "onnx" / src.name) for src in onnx_with_data(f)]
     return shards, onnx
 
 
