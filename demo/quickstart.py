@@ -36,7 +36,6 @@ from demo.models import (
     QUICKSTART_RUN,
     quickstart_gguf_dir,
 )
-from export.web import WEB_DIR
 from training import checkpoint as ckpt
 from training import layout
 from training.cli import ArgumentParser, run_main
@@ -170,7 +169,7 @@ def build(a: argparse.Namespace) -> bool:
         rc = stage("export + parity", [py, "-m", "export", "all", str(chat), "--q8", "--q4", "--f16", "--int8", "--int4"],
                    tolerate=(EXIT_PARITY_BREACH,))
         breached = rc == EXIT_PARITY_BREACH
-    if not (chat / layout.EXPORT / WEB_DIR / WEB_PAGE).is_file():  # the page that runs on the visitor's device
+    if not (chat / layout.EXPORT / layout.WEB_DIR / WEB_PAGE).is_file():  # the page that runs on the visitor's device
         stage("web export", [py, "-m", "export", "web", str(chat), "--force"])
     # the card's "bits/byte vs random-init twin" (seconds at this size); after export, so the exported
     # model card (export/README.md) gets the evaluation section too
@@ -193,7 +192,7 @@ def run(a: argparse.Namespace) -> int:
     print(f"\nquickstart ready in {time.perf_counter() - t0:.0f} s: run folder {chat}, exports in {export_dir}, "
           f"parity report {export_dir / layout.PARITY_MD}")
     print(f"the chat in your browser, on your own device: python -m serving {chat} --web "
-          f"(the page: {export_dir / WEB_DIR / WEB_PAGE}; docs/web.md)")
+          f"(the page: {export_dir / layout.WEB_DIR / WEB_PAGE}; docs/web.md)")
     if a.no_demo:
         return EXIT_PARITY_BREACH if breached else 0
     ggufs = sorted(quickstart_gguf_dir(a.out).glob(QUICKSTART_GGUF_GLOB))

@@ -37,11 +37,10 @@ from export.browser_page import (
     run_page,
     serve_folder,
 )
-from training.layout import MANIFEST, ONNX_DIR
+from training.layout import MANIFEST, ONNX_DIR, WEB_DIR
 from training.logprobs import kl_rows, log_softmax
 from training.text import normalize
 
-WEB_DIR = "web"  # RUN/export/web/: export.web writes it
 PAGES = {"wllama": "index.html", "onnxruntime-web": "onnx.html"}
 NATIVE = {"wllama": ("llama.cpp", "llama-cpp-python"), "onnxruntime-web": ("onnx", "ONNX Runtime")}
 # Bounds, from measurement on the suite's chat model (figures beside each; docs/web.md, "Browser parity"). The same

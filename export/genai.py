@@ -24,8 +24,6 @@ it does not normalize, prodip's every path does.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from export.hf_tokenizer import write_tokenizer_json
 from export.onnx_weights import external_data_files
 from serving.backend import SamplingParams
 from serving.onnxrt import CONFIG_FILE, TOKENIZER_FILE, VARIANT_FILES, read_config
+from training.files import link_or_copy
 from training.tokenizer import Tokenizer
 
 GENAI_CONFIG = "genai_config.json"
@@ -80,18 +79,6 @@ def genai_config(onnx_cfg: dict, model_file: str) -> dict:
     }
 
 
-def _link(src: Path, dst: Path) -> Path:
-    """dst as a hard link to src (a copy across file systems); an existing dst is replaced."""
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-    return dst
-
-
 def write_genai_files(onnx_dir: Path, src, *, variants: tuple[str, ...] = ("fp32",), force: bool = False) -> list[Path]:
     """Write onnx_dir/genai/<variant>/ for each variant our export holds; returns the files."""
     onnx_dir = Path(onnx_dir)
@@ -110,7 +97,7 @@ def write_genai_files(onnx_dir: Path, src, *, variants: tuple[str, ...] = ("fp32
         d.mkdir(parents=True, exist_ok=True)
         model = onnx_dir / VARIANT_FILES[v]
         for f in [model, *external_data_files(model)]:  # model.onnx_data (model.onnx.data in older exports)
-            written.append(_link(f, d / f.name))
+            written.append(link_or_copy(f, d / f.name))
         files = {TOKENIZER_CONFIG_FILE: tokenizer_config(src), SPECIAL_TOKENS_FILE: special_tokens_map()}
         for name, obj in files.items():
             (d / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -38,7 +38,7 @@ from export.lora_gguf import (
 from export.manifest import Manifest, default_out_dir, human_size, made_folder
 from training import checkpoint as ckpt
 from training import layout
-from training.files import Input, check_apart, save_safetensors, sha256_file
+from training.files import Input, check_apart, link_or_copy, save_safetensors, sha256_file
 
 
 def planned(src: AdapterSource, out: Path, args: argparse.Namespace, types: list[str]) -> list[Path]:
@@ -81,18 +81,6 @@ def base_export(src: AdapterSource, types: list[str]) -> dict[str, tuple[Path, d
     return found
 
 
-def place(theirs: Path, ours: Path) -> None:
-    """`theirs` at `ours`: a hard link (the same bytes, no copy) where one filesystem holds both, else a copy."""
-    ours.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ours.with_name(f".{ours.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(theirs, tmp)
-    except OSError:
-        shutil.copyfile(theirs, tmp)
-    os.replace(tmp, ours)
-
-
 def write_base_gguf(src: AdapterSource, out: Path, types: list[str], manifest: Manifest, args) -> list[Path]:
     """The base's GGUF files: reused from the base run's verified export where it has them, else written here."""
     types = list(dict.fromkeys(canonical_type(t) for t in [*types, "F16"]))
@@ -100,7 +88,7 @@ def write_base_gguf(src: AdapterSource, out: Path, types: list[str], manifest: M
     written = []
     for t, (theirs, entry) in reuse.items():
         ours = gguf_path(out, src.base, t)
-        place(theirs, ours)
+        link_or_copy(theirs, ours)
         extra = {k: v for k, v in entry.items() if k not in ("format", "type", "size", "sha256")}
         if manifest.add(ours, "gguf", t, **extra, reused_from=str(theirs))["sha256"] != entry["sha256"]:
             raise ExportError(f"{ours}: its copy of {theirs} does not match that export's sha256")

@@ -20,7 +20,6 @@ with several hard links). The export writes new files, never in place.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -29,9 +28,9 @@ from pathlib import Path
 from export import ExportError
 from export.manifest import Manifest, human_size
 from training import layout
-from training.files import Input, check_apart
+from training.files import Input, check_apart, link_or_copy
 
-WEB_DIR = "web"
+WEB_DIR = layout.WEB_DIR
 SITE = Path(__file__).resolve().parent / "site"
 NODE_MODULES = SITE / "node_modules"
 SETUP_HINT = "run `bash scripts/setup.sh` (it installs them with `npm ci --ignore-scripts` in export/site)"
@@ -152,21 +151,6 @@ def plan(args: argparse.Namespace) -> WebPlan:
     return WebPlan(export_dir, web_dir, gguf, onnx, args.force)
 
 
-def link_or_copy(src: Path, dst: Path) -> Path:
-    """`dst` as a hard link to `src` (no second copy of a model on disk), a copy across file systems."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-    return dst
-
-
-def copy_file(src: Path, dst: Path) -> Path:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    return Path(shutil.copyfile(src, dst))
-
-
 def split_gguf(src: Path, dst_dir: Path, max_bytes: int | None = None) -> list[Path]:
     """`src` as llama.cpp's split GGUF shards (NAME-00001-of-0000N.gguf, gguf-py's writer: the same format
     llama-gguf-split writes and llama.cpp / wllama load from the first shard's name)."""
@@ -193,20 +177,19 @@ def model_files(p: WebPlan) -> tuple[list[Path], dict[str, list[Path]]]:
     for variant, f in p.onnx.items():
         # copies, never links: onnx.checker refuses external data with several hard links ("a potential
         # hardlink attack"), so a linked copy here would break the export's own ONNX files for it
-        onnx[variant] = [copy_file(src, models / "onnx" / src.name) for src in onnx_with_data(f)]
+        onnx[variant] = [link_or_copy(src, models / "onnx" / src.name, link=False) for src in onnx_with_data(f)]
     return shards, onnx
 
 
 def onnx_with_data(model: Path) -> list[Path]:
-    """The .onnx file and the external-data files its initializers name (whatever the exporter called them)."""
-    import onnx
+    """The .onnx file and the external-data files its initializers name (export.onnx_weights reads them)."""
+    from export.onnx_weights import external_data_files
 
-    m = onnx.load(str(model), load_external_data=False)
-    names = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
-    missing = [n for n in sorted(names) if not (model.parent / n).is_file()]
+    data = external_data_files(model)
+    missing = [p.name for p in data if not p.is_file()]
     if missing:
         raise ExportError(f"{model}: its external data {missing[0]} is missing; re-export the ONNX")
-    return [model, *(model.parent / n for n in sorted(names))]
+    return [model, *data]
 
 
 def copy_site(p: WebPlan) -> list[Path]:

@@ -29,7 +29,8 @@ case "${1:-}" in
 esac
 cd "$(dirname "$0")/.."
 
-LLAMA_VERSION=0.3.36  # keep equal to scripts/build_llama_tools.sh and the llama-cpp-python pin
+# the same llama.cpp as the x86 tools (their pin, read from the script that holds it: one place to change)
+LLAMA_VERSION=$(sed -n 's/^LLAMA_VERSION=\([0-9.]*\).*/\1/p' scripts/build_llama_tools.sh)
 ARCH_DOTPROD=armv8.2-a+dotprod+fp16
 ARCH_I8MM=armv8.6-a+dotprod+fp16+i8mm
 CACHE=${PRODIP_LLAMA_ARM_CACHE:-$HOME/.cache/prodip/llama-arm}

@@ -10,6 +10,7 @@ import mimetypes
 from pathlib import Path
 
 from serving.backend import ServingError
+from training import layout
 
 WEB_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp",
                "Cross-Origin-Resource-Policy": "same-origin", "Cache-Control": "no-cache"}
@@ -22,7 +23,7 @@ DEFAULT_WEB_PORT = 8080
 def web_dir_of(model: str | Path) -> Path:
     """RUN/export/web (RUN given), EXPORT/web (the export folder given) or the site folder itself."""
     p = Path(model)
-    for cand in (p / "export" / "web", p / "web", p):
+    for cand in (p / layout.EXPORT / layout.WEB_DIR, p / layout.WEB_DIR, p):
         if (cand / "index.html").is_file() and (cand / "prodip-web.json").is_file():
             return cand
     raise ServingError(f"{p}: holds no web export (RUN/export/web/index.html); run `python -m export web {p}` first")

@@ -78,19 +78,8 @@ def demo_url(serve_run):  # noqa: F811
                              "--threads", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     url = f"http://127.0.0.1:{port}"
-    t0 = time.time()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"python -m demo exited {proc.returncode}: {proc.stdout.read()[-2000:]}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() - t0 > STARTUP_S:
-                raise AssertionError(f"demo did not come up on {url} in {STARTUP_S}s")
-            time.sleep(0.5)
+        wait_for_http(proc, url, "python -m demo")
         yield url
     finally:
         proc.terminate()
@@ -100,6 +89,24 @@ def demo_url(serve_run):  # noqa: F811
             proc.kill()
             out, _ = proc.communicate()
     assert "gradio.live" not in out, "the demo opened a public share link without --share"
+
+
+def wait_for_http(proc: subprocess.Popen, url: str, what: str) -> httpx.Response:
+    """`url`'s first 200 answer while `proc` (started as `what`) runs; fails naming `what` if it exits first or
+    has not answered within STARTUP_S (a start-up deadline: a server that never comes up, not a speed)."""
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited {proc.returncode}: {proc.stdout.read()[-2000:]}")
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
+                return r
+        except httpx.TransportError:
+            pass
+        if time.time() - t0 > STARTUP_S:
+            raise AssertionError(f"{what} did not come up on {url} in {STARTUP_S}s")
+        time.sleep(0.3)
 
 
 def launch_browser(p):

@@ -17,20 +17,17 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
 from conftest import REPO, stop
 from fixtures_serve import BN_QUESTION
-from test_browser import BOXES_JS, free_port
+from test_browser import BOXES_JS, free_port, wait_for_http
 
 from training.text import script_counts
 
 pytestmark = [pytest.mark.browser]
-STARTUP_S = 90
 REPLY_TIMEOUT_MS = 120_000
 RUNTIMES = ("wllama", "onnxruntime-web")
 
@@ -69,19 +66,8 @@ def web_url(web_run):
     proc = subprocess.Popen([sys.executable, "-m", "serving", str(web_run), "--web", "--port", str(port)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/"
-    t0 = time.time()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"python -m serving --web exited {proc.returncode}: {proc.stdout.read()[-2000:]}")
-            try:
-                r = httpx.get(url + "index.html", timeout=2)
-                if r.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() - t0 < STARTUP_S, f"python -m serving --web did not come up on {url} in {STARTUP_S}s"
-            time.sleep(0.3)
+        r = wait_for_http(proc, url + "index.html", "python -m serving --web")
         assert r.headers.get("cross-origin-embedder-policy") == "require-corp"  # wasm threads need both
         assert r.headers.get("cross-origin-opener-policy") == "same-origin"
         yield url
@@ -123,6 +109,10 @@ def test_browser_parity_both_runtimes(rows):
         assert r["passed"], f"{r['name']}: {r['failures']}; first mismatches: {r['mismatches']}"
     onnx = by_runtime["onnxruntime-web"][0]
     assert onnx["greedy_equal"] == len(prompts), onnx["mismatches"]  # fp32 through the same graph: no tie to part at
+    # The rows' bounds are the product's, for any user's model; the suite's own model is judged near what it
+    # measures (~3x): fp32 logits 7.0e-5 max abs and KL 4.1e-12 from ONNX Runtime's (wllama's row bound, 0.25 on
+    # log p, is already 2.5x its measured 0.10)
+    assert onnx["max_abs"] <= 2.5e-4 and onnx["kl"] <= 1.5e-11, (onnx["max_abs"], onnx["kl"])
 
 
 def test_no_request_leaves_localhost(rows, session):

@@ -69,6 +69,26 @@ def save_safetensors(tensors: Mapping, path: str | os.PathLike, metadata: dict[s
 HASH_CHUNK = 1 << 22  # bytes read at a time when hashing a file
 
 
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike, *, link: bool = True) -> Path:
+    """`dst` as a hard link to `src` (the same bytes, no second copy of a model on disk), or a copy across file
+    systems or with `link=False`; through a temporary name and one rename, so an existing `dst` is replaced whole
+    and a reader never sees half a file. The one way exports place files they did not write themselves."""
+    import shutil
+
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        if not link:
+            raise OSError("a copy was asked for")
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """The sha256 of a file's bytes, read in chunks (checkpoints and exports can be GBs)."""
     h = hashlib.sha256()

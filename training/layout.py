@@ -52,6 +52,7 @@ PARITY_JSON = "parity.json"
 PARITY_MD = "parity.md"
 CARD = "README.md"
 HF_DIR, ONNX_DIR, GGUF_DIR = "hf", "onnx", "gguf"
+WEB_DIR = "web"  # `python -m export web`: the static site (export.web), served by `python -m serving RUN --web`
 
 
 class LayoutError(ValueError):
