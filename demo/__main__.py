@@ -2,7 +2,7 @@
 
 Without --model: the quickstart's model (runs/quickstart/chat/export/gguf/*-Q4_K_M.gguf, else the
 quickstart run's latest checkpoint), looked up under the current folder, then $PRODIP_HOME.
-Numbers are checked by training.schema, and the address is bound before anything loads: a bad
+Numbers are checked by training.runfiles.schema, and the address is bound before anything loads: a bad
 host or a busy port is one `error:` line naming the flag, not a stack trace after the model loaded.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from training.cli import ArgumentParser, run_main
-from training.schema import Port, PositiveInt, flag
-from training.urls import local_path
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.schema import Port, PositiveInt, flag
+from training.store.urls import local_path
 
 HOST_PORT_FLAGS = "--host/--port"
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     from demo.models import default_model, discover_models
-    from serving.http import bound_port, reserve_socket
+    from serving.server.http_app import bound_port, reserve_socket
 
     model = args.model if args.model is not None else default_model()
     entries = discover_models(model)  # before importing Gradio: a missing model is reported at once

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import gradio as gr
 
-from demo.card import model_card
 from demo.compare import DEFAULT_COMPARE_TOKENS, FIRST_DIFF, MAX_COMPARE_TOKENS, SAME, compare, greedy_side
 from demo.models import (
     DEFAULT_HOST,
@@ -34,12 +33,14 @@ from demo.models import (
     default_model,
     discover_models,
 )
+from demo.run_card import model_card
 from demo.tokens import MAX_TOKENIZE_CHARS, N_COLOURS, token_view
 from serving import Backend, SamplingParams, load
-from serving.chat_session import PromptTooLong, chat_stream, chat_tuned, completion_stream
-from serving.llamacpp_lora import BASE_ONLY
+from serving.backends.llamacpp_lora import BASE_ONLY
+from serving.chat_session import GenerationRequest, PromptTooLong, chat_tuned, open_stream
 from serving.lora_pairs import Pairs
-from training.evaluate.generate import PROMPTS, read_prompts
+from serving.text_stream import ModelTurns
+from training.evaluate import PROMPTS, read_prompts
 
 __all__ = ["DemoError", "ModelEntry", "build_app", "default_model", "discover_models", "launch"]
 
@@ -73,18 +74,19 @@ TOKEN_COLOURS = ("#fde68a", "#bfdbfe", "#bbf7d0", "#fecaca", "#ddd6fe", "#fed7aa
 
 
 class ModelPool:
-    """Backends loaded on first use, each with its own lock: one generation at a time per model. The LoRA
-    pairs of one base GGUF (and the base alone) share its one backend and lock: the base is loaded once with
-    all their adapters, and each pair is a view that sets its adapter per generation (serving.lora_pairs)."""
+    """Backends loaded on first use, each with its own turns (serving.text_stream.ModelTurns, the owner of
+    one generation at a time per model). The LoRA pairs of one base GGUF (and the base alone) share its one
+    backend and turns: the base is loaded once with all their adapters, and each pair is a view that sets
+    its adapter per generation (serving.lora_pairs)."""
 
     def __init__(self, entries: list[ModelEntry], threads: int | None = None):
         self.entries = {e.label: e for e in entries}
         self.threads = threads
         self._backends: dict[tuple[str, Path], Backend] = {}  # by (runtime, model path): a pair's base once
-        self._locks = {(e.backend, e.path): threading.Lock() for e in entries}
+        self._turns = {(e.backend, e.path): ModelTurns() for e in entries}
         self._load_lock = threading.Lock()
 
-    def get(self, label: str) -> tuple[Backend, threading.Lock]:
+    def get(self, label: str) -> tuple[Backend, ModelTurns]:
         if label not in self.entries:
             raise DemoError(f"মডেলটি পাওয়া যায়নি (model not found): {label!r}")
         e = self.entries[label]
@@ -100,7 +102,7 @@ class ModelPool:
         backend = self._backends[key]
         if lora:  # one of the base's pairs, or the base alone
             backend = Pairs.of(backend).view(backend, e.adapter_name or BASE_ONLY)
-        return backend, self._locks[key]
+        return backend, self._turns[key]
 
     def chat_tuned(self, label: str) -> bool | None:
         """Whether the model was chat fine-tuned (GGUF metadata, else its run files); None: unknown."""
@@ -153,16 +155,17 @@ def make_respond(pool: ModelPool):
         if len(message) > MAX_MESSAGE_CHARS:
             raise gr.Error(f"বার্তাটি খুব লম্বা: {len(message)} অক্ষর, সর্বোচ্চ {MAX_MESSAGE_CHARS} "
                            f"(message too long).")
-        try:
-            params = SamplingParams(max_new_tokens=int(max_tokens), temperature=float(temperature), top_k=int(top_k),
-                                    top_p=float(top_p), repetition_penalty=float(repetition_penalty),
-                                    seed=None if seed is None or int(seed) < 0 else int(seed)).validate()
-            backend, lock = pool.get(model_label)
+        try:  # the widgets' settings are checked here, once, as they enter (SamplingParams); trusted after
+            params = SamplingParams.from_user(
+                max_new_tokens=int(max_tokens), temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                repetition_penalty=float(repetition_penalty), seed=None if seed is None or int(seed) < 0 else int(seed))
+            backend, turns = pool.get(model_label)
             if pool.chat_tuned(model_label) is False:  # a base model: it never learned the chat template
-                prepared, stream = None, completion_stream(backend, message, params, lock)
+                request = GenerationRequest(params, prompt=message)
             else:
-                messages = [*history_to_messages(history), {"role": "user", "content": message}]
-                prepared, stream = chat_stream(backend, messages, params, lock)
+                request = GenerationRequest(params, messages=[*history_to_messages(history),
+                                                              {"role": "user", "content": message}])
+            prepared, stream = open_stream(backend, request, turns)
         except PromptTooLong as e:
             raise gr.Error(f"বার্তাটি মডেলের প্রসঙ্গসীমার ({backend.n_ctx} টোকেন) চেয়ে লম্বা; ছোট করে লিখুন। ({e})") from None
         except ValueError as e:
@@ -224,8 +227,8 @@ def make_compare(pool: ModelPool):
         try:
             sides = []
             for label in (label_a, label_b):
-                backend, lock = pool.get(label)
-                sides.append(greedy_side(backend, lock, prompt, n, chat=mode == COMPARE_CHAT))
+                backend, turns = pool.get(label)
+                sides.append(greedy_side(backend, turns, prompt, n, chat=mode == COMPARE_CHAT))
         except ValueError as e:  # DemoError, PromptTooLong, ServingError: one clear line
             raise gr.Error(str(e)) from None
         c = compare(*sides)
@@ -266,7 +269,7 @@ def build_app(entries: list[ModelEntry], threads: int | None = None) -> tuple[gr
         raise DemoError(f"no model to serve; {QUICKSTART_HINT}")
     pool = ModelPool(entries, threads)
     labels = [e.label for e in entries]
-    # One concurrency group for every generation; the per-model locks serialize each backend.
+    # One concurrency group for every generation; each model's turns (ModelTurns) serialize its backend.
     common = {"concurrency_limit": len(entries), "concurrency_id": "generate"}
     with gr.Blocks(title=TITLE) as app:
         gr.Markdown(f"# {TITLE}\n{DESCRIPTION}")

@@ -7,13 +7,12 @@ tokenizers (a foreign GGUF): by the text each token spells. Gradio-free.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from demo.tokens import Span, spans
 from serving import Backend, SamplingParams
 from serving.chat_session import prepare_chat, prepare_completion
-from serving.text_stream import bytes_decoder
+from serving.text_stream import GenerationStats, ModelTurns, bytes_decoder
 
 MAX_COMPARE_TOKENS = 256  # both models run one after the other while the user waits
 DEFAULT_COMPARE_TOKENS = 48
@@ -77,14 +76,14 @@ def first_divergence(a: list, b: list) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def greedy_side(backend: Backend, lock: threading.Lock, prompt: str, max_new_tokens: int, chat: bool) -> Side:
-    """Greedy tokens of `backend` for `prompt` (through the chat template when `chat`), holding `lock`."""
-    params = SamplingParams.greedy(max_new_tokens).validate()
+def greedy_side(backend: Backend, turns: ModelTurns, prompt: str, max_new_tokens: int, chat: bool) -> Side:
+    """Greedy tokens of `backend` for `prompt` (through the chat template when `chat`), in its turn."""
+    params = SamplingParams.greedy(max_new_tokens)
     if chat:
         ids = prepare_chat(backend, [{"role": "user", "content": prompt}], params).ids
     else:
         ids = prepare_completion(backend, prompt)
-    with lock:
+    with turns.hold(GenerationStats(prompt_tokens=len(ids))):
         gen = backend.generate(ids, params)
         try:
             out = [int(t) for t in gen]

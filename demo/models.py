@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from training import layout
-from training.checkpoint import latest
+from training.checkpoint.checkpoint_io import latest
+from training.runfiles import layout
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 7860  # this machine only, unless --host says otherwise
 # demo.quickstart's layout: QUICKSTART_RUN/{data/ (prepared), base/ (pretrained run), chat/ (SFT run)}
@@ -53,7 +53,7 @@ def with_adapters(entries: list[ModelEntry]) -> list[ModelEntry]:
     """Each LoRA GGUF among `entries` paired with every base GGUF there that it fits (right after the base);
     the adapter file itself is no model. An adapter without a base is a DemoError naming it."""
     from serving.backend import ServingError
-    from serving.llamacpp_lora import NAME, check_adapter
+    from serving.backends.llamacpp_lora import NAME, check_adapter
 
     loras = [e for e in entries if e.backend == "llama.cpp" and is_lora_gguf(e.path)]
     out = []

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
@@ -36,15 +35,11 @@ from demo.models import (
     QUICKSTART_RUN,
     quickstart_gguf_dir,
 )
-from training import checkpoint as ckpt
-from training import layout
-from training.cli import ArgumentParser, run_main
-from training.config import TrainConfig
-from training.evaluate.cli import EVAL_DIR
-from training.evaluate.report import OUTPUT_FILES
-from training.model import preset_names
-from training.prepare.sources import HF_PREFIX
-from training.schema import Port, flag
+from training.checkpoint import checkpoint_io as ckpt
+from training.model.decoder import preset_names
+from training.runfiles import layout
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.schema import HF_PREFIX, Port, flag
 
 ASSETS = Path(training.__file__).resolve().parent / "assets"
 DEFAULT_CORPUS = ASSETS / "corpus"
@@ -52,7 +47,7 @@ DEFAULT_CHAT = ASSETS / "chat" / "prodip_chat_bn.jsonl"
 HELDOUT = ASSETS / "eval" / "heldout_bn.txt"  # held-out text written for prodip: bits/byte vs the twin
 TRAIN_PY = Path(training.__file__).resolve().parent / "train.py"
 SFT_PY = Path(training.__file__).resolve().parent / "sft.py"
-EVAL_JSON = OUTPUT_FILES[0]  # eval.json
+EVAL_JSON = layout.EVAL_FILES[0]  # eval.json
 EXIT_PARITY_BREACH = 1  # `python -m export`: files written, a parity threshold breached
 WEB_PAGE = "index.html"  # export web's wllama page (the GGUF in the browser)
 
@@ -77,7 +72,7 @@ Steps = Annotated[int, Field(gt=0, le=2**62)]
 
 
 class QuickstartError(ValueError):
-    """A stage failed or an input is missing: one `error:` line through training.cli.guarded."""
+    """A stage failed or an input is missing: one `error:` line through training.runfiles.cli_harness.guarded."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,10 +121,8 @@ def model_flags(preset: str | None) -> list[str]:
 
 
 def early_stop_flags() -> list[str]:
-    """`--early-stop-patience N` where this training has it (TrainConfig.early_stop_patience)."""
-    if "early_stop_patience" in {f.name for f in fields(TrainConfig)}:
-        return ["--early-stop-patience", str(PATIENCE)]
-    return []
+    """`--early-stop-patience N`: the quickstart's runs stop when validation stops improving."""
+    return ["--early-stop-patience", str(PATIENCE)]
 
 
 def check_inputs(a: argparse.Namespace) -> None:
@@ -173,7 +166,7 @@ def build(a: argparse.Namespace) -> bool:
         stage("web export", [py, "-m", "export", "web", str(chat), "--force"])
     # the card's "bits/byte vs random-init twin" (seconds at this size); after export, so the exported
     # model card (export/README.md) gets the evaluation section too
-    if not (chat / EVAL_DIR / EVAL_JSON).is_file():
+    if not (chat / layout.EVAL_DIR / EVAL_JSON).is_file():
         stage("evaluate vs twin", [py, "-m", "training.evaluate", str(chat), "--text", str(HELDOUT), "--no-progress"])
     if breached is not None:
         return breached

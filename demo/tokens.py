@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from serving import Backend
 from serving.text_stream import bytes_decoder
-from training.text import normalize
-from training.wellformed import byte_marker, decode_utf8
+from training.text.normalization import normalize
+from training.text.wellformed import byte_marker, decode_utf8
 
 MAX_TOKENIZE_CHARS = 4000  # the tab's input cap (as the chat's): decoding every prefix is quadratic
 N_COLOURS = 6  # token spans cycle through this many colours

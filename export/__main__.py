@@ -10,7 +10,7 @@ written back to URL/export/ (export.writeback).
 GGUF types: --f32 --f16 --q8 (Q8_0) --q4 (Q4_K_M) and --type NAME for any llama.cpp file type
 (default: F16, Q8_0 and Q4_K_M); --imatrix [TEXT] quantizes K/IQ types with llama.cpp's importance matrix. ONNX: fp32 always, plus --int8 / --int4;
 --genai adds the files ONNX Runtime GenAI opens (onnx/genai/<variant>/).
-Parity thresholds: --threshold KIND.METRIC=VALUE (e.g. llama.cpp-Q4_K_M.kl=0.08), see export.parity.
+Parity thresholds: --threshold KIND.METRIC=VALUE (e.g. llama.cpp-Q4_K_M.kl=0.08), see export.parity.native_parity.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from export import ExportError
-from export.arm_parity import arm_results, check_arm_flag
-from export.browser_parity import add_browser_flag, check_browser_flag, with_browser_rows
 from export.manifest import (
     Manifest,
     Source,
@@ -33,26 +31,28 @@ from export.manifest import (
     load_source,
     made_folder,
 )
-from export.web import add_web_flags, web_after_all, web_command
-from training import layout
-from training.cli import ArgumentParser, run_main
-from training.files import Input, check_apart
-from training.schema import NonNegInt, PositiveInt, flag
-from training.urls import local_path
+from export.parity.arm_parity import arm_results, check_arm_flag
+from export.parity.browser_parity import add_browser_flag, check_browser_flag, with_browser_rows
+from export.web.web_export import add_web_flags, web_after_all, web_command
+from training.runfiles import layout
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.file_ops import Input, check_apart
+from training.runfiles.schema import NonNegInt, PositiveInt, flag
+from training.store.urls import local_path
 
 if TYPE_CHECKING:
-    from training.remote import Remote
+    from training.store.remote_run import Remote
 
 COMMANDS = ("safetensors", "onnx", "gguf", "all", "parity", "verify", "web")
 DEFAULT_GGUF = ("F16", "Q8_0", "Q4_K_M")
 IMATRIX_DEFAULT_TEXT = Path("-")  # `--imatrix` without a value: export.imatrix.DEFAULT_CALIBRATION
-EXIT_PARITY = 1  # files written, a parity threshold breached (bad input exits 2 through training.cli)
+EXIT_PARITY = 1  # files written, a parity threshold breached (bad input exits 2 through training.runfiles.cli_harness)
 MAX_NEW_TOKENS = 4096  # greedy parity continuations: far beyond any context we export
 
 
 def _path_or_url(text: str) -> Path | str:
-    """A store URL stays a string (Path would fold `s3://` into `s3:/`); training.remote pulls it."""
-    from training.remote import is_url
+    """A store URL stays a string (Path would fold `s3://` into `s3:/`); training.store.remote_run pulls it."""
+    from training.store.remote_run import is_url
 
     return text if is_url(text) else Path(text)
 
@@ -111,8 +111,8 @@ def _report(paths: list[Path], t0: float) -> None:
 
 
 def export_onnx_files(src: Source, out: Path, manifest: Manifest, args: argparse.Namespace) -> list[Path]:
-    from export.onnx import export_onnx  # imported only when asked for: onnx is heavy
-    from serving.onnxrt import VARIANT_FILES
+    from export.onnx.onnx_export import export_onnx  # imported only when asked for: onnx is heavy
+    from serving.backends.onnxrt_backend import VARIANT_FILES
 
     onnx_dir = out / layout.ONNX_DIR
     paths = export_onnx(src, onnx_dir, int8=args.int8, int4=args.int4, force=args.force, genai=args.genai)
@@ -141,19 +141,19 @@ def planned_files(src: Source, out: Path, args: argparse.Namespace) -> list[Path
     """Every file the export command will write (besides manifest, card and Modelfiles, which are merged)."""
     files: list[Path] = []
     if args.command in ("safetensors", "all"):
-        from export.hf import WEIGHTS_FILE
+        from export.hf.hf_export import WEIGHTS_FILE
 
         files.append(out / layout.HF_DIR / WEIGHTS_FILE)
     if args.command in ("onnx", "all"):
-        from export.onnx import planned_outputs
+        from export.onnx.onnx_export import planned_outputs
 
         files += planned_outputs(out / layout.ONNX_DIR, args.int8, args.int4)
         if args.genai:
-            from export.genai import GENAI_DIR
+            from export.onnx.genai import GENAI_DIR
 
             files.append(out / layout.ONNX_DIR / GENAI_DIR)
     if args.command in ("gguf", "all"):
-        from export.gguf import canonical_type, gguf_path
+        from export.gguf.gguf_export import canonical_type, gguf_path
 
         files += [gguf_path(out, src, canonical_type(t)) for t in gguf_types(args)]
         if args.imatrix is not None:
@@ -196,7 +196,7 @@ def write_exports(src: Source, out: Path, manifest: Manifest, args: argparse.Nam
 
 def _write_exports(src: Source, out: Path, manifest: Manifest, args: argparse.Namespace) -> Manifest:
     if args.command in ("safetensors", "all"):
-        from export.hf import export_hf
+        from export.hf.hf_export import export_hf
 
         t0 = time.perf_counter()
         _report(export_hf(src, out, manifest, force=args.force), t0)
@@ -206,8 +206,8 @@ def _write_exports(src: Source, out: Path, manifest: Manifest, args: argparse.Na
         _report(export_onnx_files(src, out, manifest, args), t0)
         manifest.save()
     if args.command in ("gguf", "all"):
-        from export.gguf import export_gguf
-        from export.modelfile import write_modelfiles
+        from export.gguf.gguf_export import export_gguf
+        from export.gguf.modelfile import write_modelfiles
 
         t0 = time.perf_counter()
         if args.imatrix is not None:
@@ -245,14 +245,14 @@ def read_texts(path: Path | None) -> list[str]:
 
 def check_options(args: argparse.Namespace) -> None:
     """Every option and input file that can be checked without the checkpoint: bad flags fail at once."""
-    from export.parity import parse_thresholds
+    from export.parity.native_parity import parse_thresholds
 
     if args.new_tokens is not None and args.new_tokens > MAX_NEW_TOKENS:
         raise ExportError(f"--new-tokens = {args.new_tokens}: at most {MAX_NEW_TOKENS}")
     parse_thresholds(args.threshold)
     check_arm_flag(args)  # with --arm, the aarch64 runner must exist before anything is written
     if args.command in ("gguf", "all"):
-        from export.gguf import canonical_type
+        from export.gguf.gguf_export import canonical_type
 
         for t in args.type:  # an unknown type fails before the checkpoint is read
             try:
@@ -265,9 +265,9 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def compared_kinds(manifest: Manifest, args: argparse.Namespace) -> set[str]:
-    """The parity kinds (export.parity's threshold kinds, the backends' names) the parity run after this
+    """The parity kinds (export.parity.native_parity's threshold kinds, the backends' names) the parity run after this
     command compares: what the manifest lists already plus what the command writes."""
-    from export.gguf import canonical_type
+    from export.gguf.gguf_export import canonical_type
 
     kinds: set[str] = set()
     for rel, e in manifest.files().items():
@@ -304,7 +304,7 @@ def pull_url(args: argparse.Namespace) -> Remote | None:
     """A store URL's newest committed checkpoint (or --step), pulled into its local cache (args.path set to
     it); the run's Remote when the exports are to be written back next to it (the default export folder,
     a command that writes exports), checked first: an export already there is refused without --force."""
-    from training.remote import pull_run
+    from training.store.remote_run import pull_run
 
     store = None
     if args.out is None and args.command != "parity":
@@ -336,14 +336,14 @@ def inputs_of(src: Source, args: argparse.Namespace) -> list[Input]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from export.card import write_card
-    from export.parity import parse_thresholds, run_parity
+    from export.model_card import write_card
+    from export.parity.native_parity import parse_thresholds, run_parity
 
     if args.command == "verify":
         from export.verify import run_verify
 
         return run_verify(args, vars(build_parser().parse_args(["verify", "EXPORT_DIR"])))
-    if (code := web_command(args, vars(build_parser().parse_args(["web", "RUN"])))) is not None:  # export.web
+    if (code := web_command(args, vars(build_parser().parse_args(["web", "RUN"])))) is not None:  # export.web.web_export
         return code
     check_options(args)
     thresholds = parse_thresholds(args.threshold)
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
     check_gates(src)
     out = args.out or default_out_dir(src)
     check_apart("--out", out, inputs_of(src, args), ExportError)
-    if args.browser:  # Chromium, Playwright and RUN/export/web/ before anything runs (export.browser_parity)
+    if args.browser:  # Chromium, Playwright and RUN/export/web/ before anything runs (export.parity.browser_parity)
         check_browser_flag(args.command, out)
     if args.command == "parity":
         manifest = Manifest.read(out)

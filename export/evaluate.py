@@ -3,10 +3,10 @@
     python -m export.evaluate FILE [FILE ...] [--reference RUN_OR_CHECKPOINT] [--text FILE ...] [--mc FILE ...]
 
 Each FILE is opened with `serving.load` (so any backend serving knows: .gguf, .onnx, a run folder),
-wrapped as a `training.evaluate.LogProbProvider` (`training.logprobs.log_softmax` of the backend's
-logits) and scored exactly as `python -m training.evaluate` scores checkpoints: NLL/token, bits per
+a `training.model.runner.Runner`, wrapped by the evaluator's one adapter `training.evaluate.RunnerScorer`
+(`training.model.logprobs.log_softmax` of the backend's logits, batched where the backend batches) and scored exactly as `python -m training.evaluate` scores checkpoints: NLL/token, bits per
 byte and per character by language, multiple-choice accuracy. With --reference the PyTorch checkpoint
-(a `serving.torch_backend.TorchBackend`) is scored too and every file gets deltas against it, so
+(a `serving.backends.torch_backend.TorchBackend`) is scored too and every file gets deltas against it, so
 quantization loss reads as a bits-per-byte and accuracy delta. Writes eval.json, eval.md, eval.png
 (RUN/export/eval by default) and a section of RUN/export/README.md when it exists.
 """
@@ -18,58 +18,32 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 import serving
-from serving.backend import Backend
+from serving.backends.llamacpp_backend import read_gguf_info
+from serving.backends.torch_backend import TorchBackend
 from serving.flags import backend_name
-from serving.llamacpp import read_gguf_info
-from serving.torch_backend import TorchBackend
-from training.cli import ArgumentParser, run_main
 from training.evaluate import (
     OUTPUT_FILES,
     EvalError,
+    RunnerScorer,
     add_common_args,
     build_request,
     check_common_args,
     evaluate_model,
     make_report,
+    read_inputs,
     render_markdown,
     update_card,
     write_outputs,
 )
-from training.evaluate.cli import read_inputs
-from training.files import Input, check_apart
-from training.layout import CARD, EXPORT
-from training.logprobs import log_softmax
-from training.schema import PositiveInt, flag
-from training.urls import local_text
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.file_ops import Input, check_apart
+from training.runfiles.layout import CARD, EXPORT
+from training.runfiles.schema import PositiveInt, flag
+from training.store.urls import local_text
 
 CARD_MARKER = "eval-export"  # a card section of its own, beside training.evaluate's
 REFERENCE_NAME = "torch (reference)"
-
-
-class BackendProvider:
-    """A serving Backend as a LogProbProvider: log p(ids[i] | ids[:i]) from one logits call per sequence."""
-
-    def __init__(self, backend: Backend, *, name: str | None = None, n_ctx: int | None = None):
-        self.backend = backend
-        self.name = name or backend.name
-        self.n_ctx = int(n_ctx or backend.n_ctx)
-        bos = list(backend.tokenize("", bos=True))
-        if len(bos) != 1:
-            raise EvalError(f"backend {backend.name}: tokenize('', bos=True) gave {bos}, expected just <s>")
-        self.bos_id = int(bos[0])
-
-    def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self.backend.tokenize(text, bos=False)]
-
-    def token_logprobs(self, ids: Sequence[int]) -> np.ndarray:
-        ids = [int(i) for i in ids]
-        logits = np.asarray(self.backend.logits(ids))
-        if logits.ndim != 2 or logits.shape[0] != len(ids):
-            raise EvalError(f"backend {self.name}: logits shape {logits.shape} for {len(ids)} tokens, expected (T, V)")
-        return log_softmax(logits[:-1])[np.arange(len(ids) - 1), ids[1:]]
 
 
 def trained_context(path: Path) -> int | None:
@@ -127,7 +101,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.reference:
         ref = TorchBackend(args.reference, threads=args.threads)
         try:
-            models.append(evaluate_model(BackendProvider(ref, name=REFERENCE_NAME), req, progress=progress))
+            models.append(evaluate_model(RunnerScorer(ref, name=REFERENCE_NAME), req, progress=progress))
         finally:
             ref.close()
         models[-1]["path"] = str(ref.checkpoint.path)
@@ -141,7 +115,7 @@ def run_cli(args: argparse.Namespace) -> int:
                 raise EvalError(f"--n-ctx {args.n_ctx}: beyond the context of {f} ({backend.n_ctx} tokens)")
             name = f.name if f.name not in names else str(f)
             names.add(name)
-            provider = BackendProvider(backend, name=name, n_ctx=min(n_ctx or backend.n_ctx, backend.n_ctx))
+            provider = RunnerScorer(backend, name=name, n_ctx=min(n_ctx or backend.n_ctx, backend.n_ctx))
             result = evaluate_model(provider, req, progress=progress)
             result.update(path=str(f), backend=backend.name)
             models.append(result)

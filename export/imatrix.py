@@ -10,9 +10,9 @@ the model actually sees, which is what makes Q4_K_M (and IQ types) usable on sma
     quantize_with_imatrix(src_gguf, dst, type, imatrix) llama-quantize --imatrix
     export_gguf_imatrix(src, out_dir, types, manifest)  the `python -m export gguf --imatrix` path
 
-The importance matrix itself can also come from the PyTorch checkpoint (export.imatrix_torch: what
+The importance matrix itself can also come from the PyTorch checkpoint (export.gguf.imatrix_torch: what
 the export path uses, so a tied output head can get an entry too); the file format and the
-calibration text are export.imatrix_format's, shared by both.
+calibration text are export.gguf.imatrix_format's, shared by both.
 
 The calibration text that ships (`training/assets/calibration/calibration_bn.txt`) is original
 writing, disjoint from the training corpus and from `training/assets/eval/heldout_bn.txt`, so the
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from export import ExportError
-from export.imatrix_format import (
+from export.gguf.imatrix_format import (
     DEFAULT_CHUNK_TOKENS,
     IMATRIX_SUFFIX,
     check_imatrix,
@@ -42,11 +42,11 @@ from export.imatrix_format import (
     mean_squares,
     read_calibration,
 )
-from export.imatrix_torch import torch_imatrix
-from export.llama_tools import run_tool
+from export.gguf.imatrix_torch import torch_imatrix
+from export.gguf.llama_tools import run_tool
 from export.manifest import made_folder
-from training import layout
-from training.files import Input, check_apart
+from training.runfiles import layout
+from training.runfiles.file_ops import Input, check_apart
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "training" / "assets" / "calibration"
 DEFAULT_CALIBRATION = CALIBRATION_DIR / "calibration_bn.txt"
@@ -100,7 +100,7 @@ def quantize_with_imatrix(src: Path, dst: Path, type_name: str, imatrix: Path, *
     into llama_model_imatrix_data), so no tool build is needed to quantize."""
     import ctypes
 
-    from export.gguf import _llama_cpp, quantize_params
+    from export.gguf.gguf_export import _llama_cpp, quantize_params
 
     src, dst, imatrix = Path(src), Path(dst), Path(imatrix)
     if type_name not in IMATRIX_TYPES:
@@ -144,9 +144,9 @@ def versus_plain(base: Path, weighted: Path, type_name: str, *, heldout: Path = 
     """(KL of the imatrix file, KL of the same type quantized without one) against the F32 base on the
     held-out text: an importance matrix is not always better (on an under-trained model it made
     Q4_K_M's KL 1.4-1.9x worse, docs/export.md), so the export measures the file it writes."""
-    from export.gguf import quantize_gguf
-    from serving.llamacpp import LlamaCppBackend
-    from training.logprobs import kl_rows
+    from export.gguf.gguf_export import quantize_gguf
+    from serving.backends.llamacpp_backend import LlamaCppBackend
+    from training.model.logprobs import kl_rows
 
     with tempfile.TemporaryDirectory(dir=weighted.parent) as td:
         plain = quantize_gguf(base, Path(td) / f"plain-{type_name}.gguf", type_name, nthread=nthread)
@@ -172,11 +172,18 @@ def versus_plain(base: Path, weighted: Path, type_name: str, *, heldout: Path = 
 
 def export_gguf_imatrix(src, out_dir: Path, types: list[str], manifest, *, text: Path = DEFAULT_CALIBRATION,
                         force: bool = False, nthread: int | None = None) -> list[Path]:
-    """The `python -m export gguf RUN --imatrix [TEXT]` path: F32/F16 as usual (export.gguf), the
+    """The `python -m export gguf RUN --imatrix [TEXT]` path: F32/F16 as usual (export.gguf.gguf_export), the
     imatrix computed on the F32 base over `text`, every K/IQ type quantized with it. Written files
     are recorded in the manifest with the imatrix and its calibration text; returns every path
     written (the imatrix file included)."""
-    from export.gguf import DIRECT_TYPES, canonical_type, export_gguf, gguf_path, inspect_gguf, write_gguf
+    from export.gguf.gguf_export import (
+        DIRECT_TYPES,
+        canonical_type,
+        export_gguf,
+        gguf_path,
+        inspect_gguf,
+        write_gguf,
+    )
 
     names = list(dict.fromkeys(canonical_type(t) for t in types))
     plain = [t for t in names if t not in IMATRIX_TYPES]
@@ -225,8 +232,8 @@ def build_parser():
     python -m export.imatrix quantize SRC.gguf DST.gguf --type Q4_K_M --imatrix FILE"""
     import argparse
 
-    from training.cli import ArgumentParser
-    from training.schema import PositiveInt, SchemaError, flag, one_of
+    from training.runfiles.cli_harness import ArgumentParser
+    from training.runfiles.schema import PositiveInt, SchemaError, flag, one_of
 
     def imatrix_type(text: str) -> str:
         try:
@@ -256,7 +263,7 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.cli import run_main
+    from training.runfiles.cli_harness import run_main
 
     def run(args) -> None:
         if args.command == "compute":

@@ -2,16 +2,16 @@
 (training/sft.py --lora-rank), written into ADAPTER_RUN/export/ (or --out):
 
     gguf         the base's GGUF files (F16 always, plus the asked types) and the adapter as a llama.cpp LoRA
-                 GGUF (export.lora_gguf); with --merge instead one `NAME-merged-TYPE.gguf` per type, the adapter
+                 GGUF (export.gguf.lora_gguf); with --merge instead one `NAME-merged-TYPE.gguf` per type, the adapter
                  folded into the weights. A base file the base run's own export holds already (same checkpoint,
                  same type, its sha256 checked against that export's manifest) is linked or copied, not
                  re-quantized; otherwise it is written here.
-    safetensors  hf/ (the base, export.hf) and hf-lora/ (the adapter in PEFT's layout, export.hf_peft)
+    safetensors  hf/ (the base, export.hf.hf_export) and hf-lora/ (the adapter in PEFT's layout, export.hf.hf_peft)
     onnx         onnx/ from the merged weights (base + adapter: ONNX has no run-time adapters)
     all          all three; parity  the comparison again, on what the folder holds
 
-Parity (unless --no-parity) writes parity.json and parity.md as every export does (export.lora_parity: the
-PyTorch fp32 base + adapter as the reference), and the card (export.card) names the base and the adapter.
+Parity (unless --no-parity) writes parity.json and parity.md as every export does (export.parity.lora_parity: the
+PyTorch fp32 base + adapter as the reference), and the card (export.model_card) names the base and the adapter.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 from export import ExportError
-from export.gguf import canonical_type, export_gguf, gguf_path
-from export.lora_gguf import (
+from export.gguf.gguf_export import canonical_type, export_gguf, gguf_path
+from export.gguf.lora_gguf import (
     LORA_FILE_TYPE,
     AdapterSource,
     is_adapter,
@@ -36,21 +36,21 @@ from export.lora_gguf import (
     write_lora_gguf,
 )
 from export.manifest import Manifest, default_out_dir, human_size, made_folder
-from training import checkpoint as ckpt
-from training import layout
-from training.files import Input, check_apart, link_or_copy, save_safetensors, sha256_file
+from training.checkpoint import checkpoint_io as ckpt
+from training.runfiles import layout
+from training.runfiles.file_ops import Input, check_apart, link_or_copy, save_safetensors, sha256_file
 
 
 def planned(src: AdapterSource, out: Path, args: argparse.Namespace, types: list[str]) -> list[Path]:
     """Every file the command writes (checked before the first byte: nothing is overwritten without --force)."""
-    from export.hf import WEIGHTS_FILE
-    from export.hf_peft import planned as peft_planned
+    from export.hf.hf_export import WEIGHTS_FILE
+    from export.hf.hf_peft import planned as peft_planned
 
     files: list[Path] = []
     if args.command in ("safetensors", "all"):
         files += [out / layout.HF_DIR / WEIGHTS_FILE, *peft_planned(out)]
     if args.command in ("onnx", "all"):
-        from export.onnx import planned_outputs
+        from export.onnx.onnx_export import planned_outputs
 
         files += planned_outputs(out / layout.ONNX_DIR, args.int8, args.int4)
     if args.command in ("gguf", "all"):
@@ -101,7 +101,7 @@ def write_base_gguf(src: AdapterSource, out: Path, types: list[str], manifest: M
 def write_gguf_files(src: AdapterSource, out: Path, types: list[str], manifest: Manifest, args) -> list[Path]:
     if args.merge:
         files = export_gguf(merged_source(src), out, types, manifest, force=args.force, nthread=args.threads)
-        for p in files:  # parity compares these without the adapter (export.lora_parity)
+        for p in files:  # parity compares these without the adapter (export.parity.lora_parity)
             manifest.files()[p.relative_to(out).as_posix()]["merged"] = True
         return files
     bases = write_base_gguf(src, out, types, manifest, args)
@@ -113,10 +113,10 @@ def write_gguf_files(src: AdapterSource, out: Path, types: list[str], manifest: 
 
 
 def write_merged_onnx(src: AdapterSource, out: Path, manifest: Manifest, args) -> list[Path]:
-    """onnx/ from base + adapter merged (export.onnx streams weights from a checkpoint's model.safetensors:
+    """onnx/ from base + adapter merged (export.onnx.onnx_export streams weights from a checkpoint's model.safetensors:
     the merged weights are written to a temporary one beside the export first)."""
-    from export.onnx import export_onnx
-    from serving.onnxrt import VARIANT_FILES
+    from export.onnx.onnx_export import export_onnx
+    from serving.backends.onnxrt_backend import VARIANT_FILES
 
     merged = merged_source(src)
     tmp = out / f".merged-weights-{os.getpid()}"
@@ -143,8 +143,8 @@ def write_merged_onnx(src: AdapterSource, out: Path, manifest: Manifest, args) -
 def write_all(src: AdapterSource, out: Path, manifest: Manifest, args, types: list[str]) -> list[Path]:
     files: list[Path] = []
     if args.command in ("safetensors", "all"):
-        from export.hf import export_hf
-        from export.hf_peft import write_peft_adapter
+        from export.hf.hf_export import export_hf
+        from export.hf.hf_peft import write_peft_adapter
 
         files += export_hf(src.base, out, manifest, force=args.force)
         files += write_peft_adapter(src, out, manifest)
@@ -160,9 +160,9 @@ def write_all(src: AdapterSource, out: Path, manifest: Manifest, args, types: li
 
 def export_adapter(args: argparse.Namespace, types: list[str]) -> int:
     """The command on an adapter run: files written, parity run, card; 0, or 1 on a parity breach."""
-    from export.card import write_card
-    from export.lora_parity import run_adapter_parity
-    from export.parity import parse_thresholds
+    from export.model_card import write_card
+    from export.parity.lora_parity import run_adapter_parity
+    from export.parity.native_parity import parse_thresholds
 
     src = load_adapter_source(args.path, None)
     out = args.out or (src.run_dir or src.path) / layout.EXPORT

@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 from export import ExportError
-from export.names import TensorNameError, expected_names, lookup
-from training import checkpoint, layout
-from training.files import sha256_file
-from training.model import ModelConfig
-from training.tokenizer import Tokenizer
+from training.checkpoint import checkpoint_io as checkpoint
+from training.model.decoder import ModelConfig
+from training.model.gguf_names import TensorNameError, expected_names, lookup
+from training.runfiles import layout
+from training.runfiles.file_ops import sha256_file
+from training.text.tokenizer import Tokenizer
 
 
 def prodip_version() -> str:
@@ -67,13 +68,13 @@ class Source:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, fp32 tensor) in writing order, memory-mapped from model.safetensors (a sharded
-        checkpoint's tensors assembled one at a time by training.checkpoint)."""
+        checkpoint's tensors assembled one at a time by training.checkpoint.checkpoint_io)."""
         with checkpoint.open_tensors(self.path) as f:
             for name in self.tensor_names():
                 yield name, f.get_tensor(name).to(torch.float32)
 
     def model(self) -> torch.nn.Module:
-        """The fp32 reference model (eval mode) through training.checkpoint's own loader."""
+        """The fp32 reference model (eval mode) through training.checkpoint.checkpoint_io's own loader."""
         model, _ = checkpoint.load_model(self.path)
         return model
 
@@ -83,8 +84,8 @@ def default_out_dir(src: Source) -> Path:
 
 
 def load_source(path: str | os.PathLike, step: int | None = None) -> Source:
-    """Resolve and validate a checkpoint: vocab/tokenizer match (training.checkpoint.load), finite
-    weights, every tensor known to export.names. Weights are dropped afterwards and re-read lazily."""
+    """Resolve and validate a checkpoint: vocab/tokenizer match (training.checkpoint.checkpoint_io.load), finite
+    weights, every tensor known to training.model.gguf_names. Weights are dropped afterwards and re-read lazily."""
     ck = checkpoint.load(path, step)
     checkpoint.check_finite(ck.weights, f"an export of {ck.path}")
     want = set(expected_names(ck.config))

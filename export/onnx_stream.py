@@ -1,6 +1,6 @@
 """python -m export.onnx_stream RUN_DIR|CHECKPOINT_DIR [--out DIR] [--step N] [--force] [--int8] [--int4] [--no-check]
 
-The ONNX export alone: export.onnx's streamed export into one folder (default RUN_DIR/export/onnx),
+The ONNX export alone: export.onnx.onnx_export's streamed export into one folder (default RUN_DIR/export/onnx),
 without the manifest, the card or the parity run that `python -m export onnx` adds. Kept as its own
 command for the export benchmark (tests/benchmarks/bench_export.py), which measures the exporter's
 time and peak RSS without parity in the same process.
@@ -12,14 +12,14 @@ import argparse
 import time
 from pathlib import Path
 
-from export.onnx import OnnxExportError, export_onnx
-from serving.onnxrt import CONFIG_FILE
-from training import layout
+from export.onnx.onnx_export import OnnxExportError, export_onnx
+from serving.backends.onnxrt_backend import CONFIG_FILE
+from training.runfiles import layout
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from training.cli import ArgumentParser
-    from training.schema import NonNegInt, flag
+    from training.runfiles.cli_harness import ArgumentParser
+    from training.runfiles.schema import NonNegInt, flag
 
     ap = ArgumentParser(prog="python -m export.onnx_stream", description=__doc__.split("\n\n")[1])
     ap.add_argument("path", type=Path)
@@ -41,8 +41,8 @@ def is_onnx_folder(folder: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from export.manifest import default_out_dir, load_source, made_folder
-    from training.cli import run_main
-    from training.files import Input, check_apart
+    from training.runfiles.cli_harness import run_main
+    from training.runfiles.file_ops import Input, check_apart
 
     def run(args) -> None:
         if args.out is not None and args.out.exists() and not args.out.is_dir():

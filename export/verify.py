@@ -17,7 +17,7 @@ from pathlib import Path
 from export import ExportError
 from export.manifest import human_size
 from serving.export_files import check_file, read, unlisted_weights
-from training import layout
+from training.runfiles import layout
 
 
 def export_root(path: Path) -> Path:

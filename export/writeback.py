@@ -2,9 +2,9 @@
 
     python -m export gguf s3://BUCKET/RUN --q4
 
-pulls the run's newest committed checkpoint into its cache (training.remote.pull_run), exports into
+pulls the run's newest committed checkpoint into its cache (training.store.remote_run.pull_run), exports into
 CACHE/export/ as for a local run, and, once the export's parity run has passed, uploads that folder to
-URL/export/ with the commit marker of checkpoints (training.remote.Remote.commit): every file first,
+URL/export/ with the commit marker of checkpoints (training.store.remote_run.Remote.commit): every file first,
 then URL/export.commit.json naming each file's size and sha256, last. A reader trusts URL/export/ only
 through that marker (`committed_export`). An export already at the URL is never replaced without
 --force (checked before anything is pulled or written); with --force the old marker goes first, then
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from export import ExportError
 from export.manifest import human_size
-from training import layout
-from training.remote import EXPORT_COMMIT, Remote, RemoteError, Unreachable
+from training.runfiles import layout
+from training.store.remote_run import EXPORT_COMMIT, Remote, RemoteError, Unreachable
 
 
 def open_run(url: str, force: bool) -> Remote:

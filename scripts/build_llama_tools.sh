@@ -13,7 +13,7 @@
 #   PRODIP_LLAMA_SDIST  a local llama_cpp_python-<version>.tar.gz to use instead of `pip download`
 #   PRODIP_BUILD_JOBS   parallel compile jobs (default 2)
 # The folder `$CACHE/latest` always points at the most recently built tools; prodip's Python code
-# (export/llama_tools.py) looks there after $PRODIP_LLAMA_TOOLS and $PATH.
+# (export/gguf/llama_tools.py) looks there after $PRODIP_LLAMA_TOOLS and $PATH.
 set -euo pipefail
 usage() {  # the header comment above, as the --help text
   echo "usage: $1"

@@ -53,7 +53,7 @@ done
 [ -z "$DATA" ] || [ -f "$DATA/meta.json" ] || die "--data $DATA: not a prepared data folder (no meta.json)"
 [ -z "$WHEELHOUSE" ] || [ -d "$WHEELHOUSE" ] || die "--wheelhouse $WHEELHOUSE: not a folder"
 [ ! -e "$OUT" ] || [ -d "$OUT" ] || die "--out $OUT: exists and is not a folder"
-if [ -n "$DATA" ]; then  # outputs never overlap inputs (training/files.py: check_apart, for every command)
+if [ -n "$DATA" ]; then  # outputs never overlap inputs (training/runfiles/file_ops.py: check_apart, for every command)
   o=$(realpath -m "$OUT") d=$(realpath -m "$DATA")
   case "$o/" in "$d"/*) die "--out $OUT is (or is inside) --data $DATA: choose another --out" ;; esac
   case "$d/" in "$o"/*) die "--out $OUT holds --data $DATA: choose another --out" ;; esac

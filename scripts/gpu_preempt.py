@@ -4,7 +4,7 @@
 the same data and shape) into a new run folder, with the timed run's micro-batch, grad-accum and
 sequence length, so the step in progress when the signal comes is the recipe's. Once `log.jsonl`
 holds its first step the process gets SIGTERM (as torchrun forwards it to a worker); it should finish
-that step, write a checkpoint and exit EXIT_PREEMPTED (training.preempt). The same command with
+that step, write a checkpoint and exit EXIT_PREEMPTED (training.loop.preempt_signals). The same command with
 `--stop-at saved + RESUME_STEPS` then resumes: it should say it resumed at the saved step, and its
 log continues the curve (finite loss, step numbers contiguous from 1).
 
@@ -34,9 +34,9 @@ if __name__ == "__main__":  # a phase of scripts/gpu_validate.py, which imports 
           "(python scripts/gpu_validate.py --help)", file=sys.stderr)
     sys.exit(2)
 
-from training import layout  # noqa: E402  (after the guard above: run as a script, `training` is not importable)
-from training.cli import EXIT_PREEMPTED  # noqa: E402
-from training.gates.names import PREFLIGHT_NAMES  # noqa: E402
+from training.gates.gate_names import PREFLIGHT_NAMES  # noqa: E402
+from training.runfiles import layout  # noqa: E402  (after the guard above: run as a script, `training` is not importable)
+from training.runfiles.cli_harness import EXIT_PREEMPTED  # noqa: E402
 
 MAX_STEPS = 1000  # the preempted run's --max-steps: never reached, the signal stops it first
 RESUME_STEPS = 2  # the resumed run stops (--stop-at) this many steps past the preemption checkpoint
@@ -52,9 +52,9 @@ def skip_gates() -> list[str]:
 
 
 def read_log(run: Path) -> list[dict]:
-    """The run's log.jsonl records as dicts, through training.records.read_log (the one reader: a last
+    """The run's log.jsonl records as dicts, through training.runfiles.json_records.read_log (the one reader: a last
     line still being written is left out, a damaged one is an error); [] before the file exists."""
-    from training.records import read_log as records
+    from training.runfiles.json_records import read_log as records
 
     path = run / layout.LOG
     return [r.value for r in records(path)] if path.is_file() else []

@@ -8,13 +8,13 @@ stopped by a time limit keeps every finished phase and names the one it was in).
 bounds the whole script: train.py gets what the later phases do not need (but at least
 TRAIN_FLOOR_S, 150 s, or all that is left), and a later phase that no longer fits is recorded as skipped.
 
-1. environment: GPU name, its dense bf16 peak (training.metrics.PEAK_BF16_FLOPS), torch, CUDA.
+1. environment: GPU name, its dense bf16 peak (training.telemetry.step_metrics.PEAK_BF16_FLOPS), torch, CUDA.
 2. sdpa: which scaled-dot-product-attention kernel (cuDNN / flash / memory-efficient / math) one
    training step of the preset's block runs, read from the profiler's op names; then each backend
    forced in turn (torch.nn.attention.sdpa_kernel) and timed, forward + backward, at the training shape,
    with K/V shared by enable_gqa (cuDNN in torch 2.11, flash, math) and pre-expanded (every backend eligible).
    Also one block forward + backward with its projections fused (q/k/v and gate/up as one GEMM each)
-   and unfused: the numbers behind training.model.FUSE_DEVICES.
+   and unfused: the numbers behind training.model.decoder.FUSE_DEVICES.
 3. data: prepares a folder from the shipped corpus (tokenizer + shards). The corpus is small, so the
    train split is tiled (each copy shifted by a token, so no window repeats) until the timed run
    never wraps around; --data uses a folder you prepared instead (e.g. your real 32k-vocab data).
@@ -26,7 +26,7 @@ TRAIN_FLOOR_S, 150 s, or all that is left), and a later phase that no longer fit
    (eager blocks: no second graph).
    Its stderr (with TORCH_LOGS=graph_breaks,recompiles) goes to DIR/run-*.stderr.log: the graph breaks
    and recompiles dynamo logged are counted (both should be 0).
-5. measure: tokens/s, MFU both ways, peak memory (measured, and training.plan's estimate, the one
+5. measure: tokens/s, MFU both ways, peak memory (measured, and training.run_plan's estimate, the one
    `train.py --plan` prints), every gate's value against its threshold (compiled_vs_eager: the bf16
    relative errors against their tolerances), the backward/forward ratio, and the projected time and
    cost of 2 B tokens.
@@ -40,7 +40,7 @@ TRAIN_FLOOR_S, 150 s, or all that is left), and a later phase that no longer fit
    code, signal-to-exit seconds against torchrun's 30 s grace, the checkpoint's step, stall, write and
    bytes, and where the resume started. Skipped when the train phase trained no step.
 
-MFU = tokens/s x FLOPs/token / peak dense bf16 FLOP/s of the GPU, in two conventions (training.metrics):
+MFU = tokens/s x FLOPs/token / peak dense bf16 FLOP/s of the GPU, in two conventions (training.telemetry.step_metrics):
 `mfu` with FLOPs/token = 6 N' + 12 n_layers seq_len d_attn (PaLM, nanoGPT, torchtitan; the target's),
 `mfu_6ltd` with 6 n_layers seq_len d_attn (Kaplan, llm.c); N' counts the non-embedding parameters
 plus the output head's matmul, once. The shipped corpus supports a smaller vocabulary than the
@@ -63,12 +63,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from training.config import TrainConfig
+    from training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from training import layout  # noqa: E402  (a leaf: the standard library only, so importing it is cheap)
+from training.runfiles import layout  # noqa: E402  (a leaf: the standard library only, so importing it is cheap)
 
 sys.path.insert(1, str(ROOT / "scripts"))  # gpu_preempt beside this file, also when loaded by path (the tests)
 sys.path.insert(2, str(ROOT / "scripts" / "gpu"))  # its own modules (libraries, not commands)
@@ -102,8 +102,8 @@ def prepare_data(out: Path, need_tokens: int) -> Path:
     """Tokenizer + shards from the shipped corpus, the train split tiled to `need_tokens`."""
     import numpy as np
 
-    from training.data import ShardWriter, TokenStream
-    from training.tokenizer import Tokenizer
+    from training.data.loaders import ShardWriter, TokenStream
+    from training.text.tokenizer import Tokenizer
 
     data = out / "data"
     if (data / layout.DATA_META).is_file():
@@ -172,9 +172,11 @@ def compile_counts(stderr_log: Path) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from training.cli import ArgumentParser  # one `error:` line for a bad flag, no usage block
-    from training.model import PRESETS
-    from training.schema import NonNegFloat, PositiveInt, flag
+    from training.model.decoder import PRESETS
+    from training.runfiles.cli_harness import (
+        ArgumentParser,  # one `error:` line for a bad flag, no usage block
+    )
+    from training.runfiles.schema import NonNegFloat, PositiveInt, flag
 
     ap = ArgumentParser(prog="python scripts/gpu_validate.py", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,7 +217,7 @@ def check_out(out: Path) -> None:
 
 def recipe(preset_name: str) -> TrainConfig:
     """The preset's training recipe as train.py reads it: TrainConfig's defaults under its [train] table."""
-    from training.config import TrainConfig, preset_train
+    from training.train_config import TrainConfig, preset_train
 
     return TrainConfig(preset=preset_name, **preset_train(preset_name))
 
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         check_out(a.out)
-        from training.files import Input, check_apart  # the rule of every command that writes
+        from training.runfiles.file_ops import Input, check_apart  # the rule of every command that writes
 
         check_apart("--out", a.out, [Input("--data", a.data)], ValueError)
     except ValueError as e:

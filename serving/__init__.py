@@ -8,7 +8,7 @@
 RUNTIMES is the one table of backend names and their aliases; runtime modules are imported only when
 a file of theirs is loaded (llama.cpp, onnxruntime and transformers are heavy, and transformers is a
 dev/test dependency). Any GGUF llama.cpp can run loads (Qwen2, Gemma, ...): files prodip did not write
-are "foreign" (`backend.prodip` False) and chat through their own template (serving/llamacpp.py).
+are "foreign" (`backend.prodip` False) and chat through their own template (serving/backends/llamacpp_backend.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ class Runtime:
 
 
 RUNTIMES: dict[str, Runtime] = {
-    "llama.cpp": Runtime("serving.llamacpp", "LlamaCppBackend", ("llamacpp", "gguf")),
-    "onnx": Runtime("serving.onnxrt", "OnnxBackend", ("onnxruntime", "ort")),
-    "torch": Runtime("serving.torch_backend", "TorchBackend", ("pytorch",)),
-    "transformers": Runtime("serving.transformers_backend", "TransformersBackend", ("hf",)),
+    "llama.cpp": Runtime("serving.backends.llamacpp_backend", "LlamaCppBackend", ("llamacpp", "gguf")),
+    "onnx": Runtime("serving.backends.onnxrt_backend", "OnnxBackend", ("onnxruntime", "ort")),
+    "torch": Runtime("serving.backends.torch_backend", "TorchBackend", ("pytorch",)),
+    "transformers": Runtime("serving.backends.transformers_backend", "TransformersBackend", ("hf",)),
 }
 ALIASES: dict[str, str] = {a: name for name, rt in RUNTIMES.items() for a in (name, *rt.aliases)}
 HF_MARKER = "tokenizer_config.json"  # an HF export folder (export/hf) holds it; a prodip checkpoint does not

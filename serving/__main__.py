@@ -3,7 +3,7 @@
 Without --prompt or --http: an interactive streaming chat in the terminal (/reset starts over,
 /quit or Ctrl-D leaves). MODEL is a .gguf file, an .onnx file (or its folder) or a training run /
 checkpoint folder, or a file of a run's export written back to a store (s3://BUCKET/RUN/export/gguf/
-NAME.gguf: pulled into the run's cache, sha256 checked, training.remote.pull_export). A base model
+NAME.gguf: pulled into the run's cache, sha256 checked, training.store.remote_run.pull_export). A base model
 (pretrained, not chat-tuned, as its run files or GGUF metadata say) completes text instead of
 chatting, and says so; --chat applies the chat template anyway, --raw completes text with any
 model. --system needs the chat template: with --raw, or with a base model's text completion, it is
@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from serving import RUNTIMES, describe, load
 from serving.backend import (
+    DEFAULT_MAX_TOKENS,
     Backend,
     MaxNewTokens,
     RepetitionPenalty,
@@ -31,22 +32,23 @@ from serving.backend import (
 )
 from serving.chat_session import ChatSession, chat_tuned, completion_stream
 from serving.flags import backend_name
-from serving.http import ServerConfig, bound_port, parse_bind, reserve_socket, serve
-from serving.http_requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP
 from serving.lora_flags import add_lora_flags, lora_kwargs
+from serving.server.http_app import ServerConfig, bound_port, parse_bind, reserve_socket, serve
+from serving.server.http_requests import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP
 from serving.text_stream import TextStream
-from training.cli import ArgumentParser, run_main
-from training.remote import is_url, pull_export
-from training.schema import Port, PositiveInt, flag
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.schema import Port, PositiveInt, flag
+from training.store.remote_run import is_url, pull_export
 
 PROMPT_MARK = ">>> "
-DEFAULT_MAX_TOKENS = 256
 # flags of the terminal modes, and what an HTTP client sends instead (--http refuses them by name)
 TERMINAL_ONLY = {"raw": "/v1/completions", "chat": "/v1/chat/completions", "system": "a system message",
                  "stats": "prodip.tokens_per_s in each response", "max_tokens": "max_tokens",
                  "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                  "repeat_penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+FLAG_NAMES = {"max_new_tokens": "--max-tokens", "repetition_penalty": "--repeat-penalty", "temperature": "--temperature",
+              "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "stop": "--stop"}  # SamplingParams' fields
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,13 +158,12 @@ def check_raw_flags(args: argparse.Namespace) -> None:
 
 
 def sampling(args: argparse.Namespace) -> SamplingParams:
-    d = SamplingParams()
-    pick = lambda v, default: default if v is None else v  # noqa: E731
-    return SamplingParams(max_new_tokens=pick(args.max_tokens, DEFAULT_MAX_TOKENS),
-                          temperature=pick(args.temperature, d.temperature), top_k=pick(args.top_k, d.top_k),
-                          top_p=pick(args.top_p, d.top_p), repetition_penalty=pick(args.repeat_penalty,
-                                                                                   d.repetition_penalty),
-                          seed=args.seed, stop=tuple(args.stop or ())).validate()
+    """The flags' settings (each parsed by its schema type), checked by SamplingParams as they enter;
+    a flag not given keeps the default."""
+    return SamplingParams.from_user(
+        FLAG_NAMES, max_new_tokens=DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repeat_penalty,
+        seed=args.seed, stop=tuple(args.stop or ()))
 
 
 def use_chat(args: argparse.Namespace, backend: Backend) -> bool:
@@ -190,7 +191,7 @@ def complete_interactive(backend: Backend, params: SamplingParams, show_stats: b
 
 def run(args: argparse.Namespace) -> None:
     if args.web or args.port is not None:
-        from serving.web_host import serve_web_flags
+        from serving.server.web_host import serve_web_flags
 
         return serve_web_flags(args, build_parser().parse_args([args.model, "--web"]))
     if args.http:

@@ -1,28 +1,40 @@
 """The one backend interface. Every runtime implements `Backend`; `serving.load(path)` picks the runtime.
 
-A backend exposes the few primitives the rest of prodip needs:
+A backend is a `training.model.runner.Runner` (the one runner interface, which evaluation scores through)
+plus generation. It exposes the few primitives the rest of prodip needs:
 - `tokenize` / `detokenize` (through the runtime's own tokenizer where it has one, so parity can
-  check that it agrees with `training.tokenizer`),
+  check that it agrees with `training.text.tokenizer`),
 - `logits(ids)`: next-token logits for every position of one sequence (fp32 numpy, (T, V)),
 - `logits_incremental(ids, prefix)`: the same logits through the runtime's KV cache (`prefix` tokens
   in one pass, the rest one at a time), so parity can compare full-sequence and cached decoding,
 - `generate(ids, params)`: a stream of token ids, sampled with `SamplingParams`,
-- `chat(messages, params)`: renders through `training.chat` and streams text pieces,
+- `chat(messages, params)`: renders through `training.text.chat_template` and streams text pieces,
 - optionally `detokenize_bytes(ids)`: raw bytes, a lone byte-fallback token included (serving's stream
   decoder, serving.text_stream.bytes_decoder, reads them; without it, SentencePiece pieces are used).
-Text given to a backend is normalized with `training.text.normalize` first, always.
+Text given to a backend is normalized with `training.text.normalization.normalize` first, always.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Protocol, runtime_checkable
 
 import numpy as np
 from pydantic import Field
 
-from training.schema import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, SchemaError, Seed, check
+from training.model.runner import Runner
+from training.runfiles.schema import (
+    NonNegFloat,
+    NonNegInt,
+    PositiveFloat,
+    PositiveInt,
+    SchemaError,
+    Seed,
+    check,
+)
 
 
 class ServingError(ValueError):
@@ -33,6 +45,8 @@ class ServingError(ValueError):
 # HTTP request bodies, so all three refuse the same values with the same words. Strict: a JSON `true` or
 # "0.5" is not a number, 2.0 is not a token count.
 MAX_NEW_TOKENS = 1 << 16
+DEFAULT_MAX_TOKENS = 256  # a request (HTTP body, CLI) that names no max_tokens
+PENALTY_LAST_N = 64  # tokens repetition_penalty looks back over (llama-cpp-python's last_n_tokens_size default)
 MAX_TEMPERATURE = 10.0
 MAX_PENALTY = 10.0
 MaxNewTokens = Annotated[PositiveInt, Field(le=MAX_NEW_TOKENS, strict=True)]
@@ -46,8 +60,25 @@ SAMPLING_TYPES = {"max_new_tokens": MaxNewTokens, "temperature": Temperature, "t
                   "repetition_penalty": RepetitionPenalty, "seed": SamplingSeed}
 
 
-@dataclass
+class SamplingError(ServingError):
+    """A sampling setting SamplingParams refuses: `field` names it; the message is the schema's
+    (`temperature = 11.0: Input should be ...`)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+    def named(self, where: str) -> SamplingError:
+        """The same refusal naming the setting as its user typed it (`max_tokens`, `repeat_penalty`)."""
+        return SamplingError(where + str(self)[len(self.field):], self.field)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
+    """How to sample one reply: checked when it is made (every field against SAMPLING_TYPES, the schema
+    types the CLI flags and HTTP bodies use) and frozen, so a SamplingParams is valid by construction and
+    every layer after its entry (chat_session, text_stream, the backends) trusts it without a check."""
+
     max_new_tokens: int = 128
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 40  # 0 = off
@@ -57,19 +88,42 @@ class SamplingParams:
     # apply it in greedy decoding too, so any other value there would change their greedy ids (docs/onnx.md).
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop: Sequence[str] = field(default_factory=tuple)
+    stop: tuple[str, ...] = ()
 
-    def validate(self) -> SamplingParams:
-        """Self, or ServingError naming the first field out of range (types from SAMPLING_TYPES)."""
+    def __post_init__(self) -> None:
+        """The one check: SamplingError naming the first field out of range."""
         for name, type_ in SAMPLING_TYPES.items():
             value = getattr(self, name)
             if name == "seed" and value is None:
                 continue
-            try:
-                check(type_, value, name, strict=True)
+            try:  # the checked value is kept: a JSON 1 for a float field becomes 1.0
+                object.__setattr__(self, name, check(type_, value, name, strict=True))
             except SchemaError as e:
-                raise ServingError(str(e)) from None
-        return self
+                raise SamplingError(str(e), name) from None
+        stop = self.stop
+        if not isinstance(stop, str):  # one string is a mistake, not a sequence of one-letter stops
+            with contextlib.suppress(TypeError):
+                stop = tuple(stop)
+        if not isinstance(stop, tuple) or not all(isinstance(s, str) for s in stop):
+            raise SamplingError(f"stop = {self.stop!r}: stop must be a sequence of strings", "stop")
+        object.__setattr__(self, "stop", stop)
+
+    @classmethod
+    def from_user(cls, names: Mapping[str, str] | None = None, **given: object) -> SamplingParams:
+        """The builder for settings a user typed (an HTTP body, the CLI flags, the demo's widgets): a value
+        None is not given (the default holds); a refused one is a SamplingError naming it as `names` say
+        (field -> the user's name, e.g. {"max_new_tokens": "max_tokens"}), else by its field."""
+        try:
+            return cls(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+        except SamplingError as e:
+            raise e.named((names or {}).get(e.field, e.field)) from None
+
+    def with_stops(self, more: Sequence[str]) -> SamplingParams:
+        """Self with `more` stop strings after its own (a chat template's end of turn), duplicates
+        dropped; not checked again: both were checked already."""
+        new = copy.copy(self)
+        object.__setattr__(new, "stop", tuple(dict.fromkeys([*self.stop, *more])))
+        return new
 
     @classmethod
     def greedy(cls, max_new_tokens: int = 32) -> SamplingParams:
@@ -77,18 +131,9 @@ class SamplingParams:
 
 
 @runtime_checkable
-class Backend(Protocol):
-    name: str  # e.g. "torch", "onnx-fp32", "llama.cpp-Q4_K_M"
-    n_ctx: int
-    eos_ids: tuple[int, ...]
-
-    def tokenize(self, text: str, *, bos: bool = True, allow_special: bool = False) -> list[int]: ...
-
-    def detokenize(self, ids: Sequence[int]) -> str: ...
-
-    def logits(self, ids: Sequence[int]) -> np.ndarray: ...
-
-    def logits_incremental(self, ids: Sequence[int], prefix: int = 0) -> np.ndarray: ...
+class Backend(Runner, Protocol):
+    """The base's `Runner` (name, n_ctx, eos_ids, tokenize/detokenize, logits, logits_incremental, an
+    optional logits_batch) plus sampled generation and close: evaluation scores any Backend as a Runner."""
 
     def generate(self, ids: Sequence[int], params: SamplingParams) -> Iterator[int]: ...
 

@@ -1,13 +1,13 @@
 """Conversation handling shared by the CLI, the HTTP server and the demo, for every backend.
 
-- Prompts are rendered through `training.chat` (the one template), tokenized by the backend's own
-  tokenizer: an adapter gives `training.chat.encode` the few things it needs. A backend serving a
+- Prompts are rendered through `training.text.chat_template` (the one template), tokenized by the backend's own
+  tokenizer: an adapter gives `training.text.chat_template.encode` the few things it needs. A backend serving a
   file prodip did not write (`backend.prodip` False: a foreign GGUF) renders through the file's own
   template instead (`backend.render_chat`), or, with no template, continues the conversation as plain
   text and says so in the notice.
 - When a conversation outgrows the context, the oldest non-system turns are dropped and the result
   carries a notice for the user; a single message that cannot fit is a `PromptTooLong` error. The
-  cost is linear in the conversation (training.chat.truncate_history measures the newest turns only
+  cost is linear in the conversation (training.text.chat_template.truncate_history measures the newest turns only
   until the budget is spent; a foreign template is bisected), as a server does this for any client.
 - The reply streams through `serving.text_stream.TextStream` (UTF-8-safe text pieces, stop strings,
   timing); this module decides what the prompt is and keeps a terminal conversation's turns.
@@ -16,16 +16,15 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from serving.backend import Backend, SamplingParams, ServingError
-from serving.text_stream import TextStream
-from training import layout
-from training.chat import STOP_STRINGS, ChatError, encode, truncate_history, validate
-from training.tokenizer import IM_END, IM_START
+from serving.text_stream import GenerationTurn, OwnTurn, TextStream
+from training.runfiles import layout
+from training.text.chat_template import STOP_STRINGS, ChatError, encode, truncate_history, validate
+from training.text.tokenizer import IM_END, IM_START
 
 # At most this share of the context is held back for the reply when fitting the history.
 MAX_REPLY_SHARE = 0.5
@@ -36,7 +35,7 @@ class PromptTooLong(ServingError):
 
 
 class BackendTokens:
-    """What `training.chat.encode` needs from a tokenizer, answered by a backend's own tokenizer."""
+    """What `training.text.chat_template.encode` needs from a tokenizer, answered by a backend's own tokenizer."""
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -95,14 +94,12 @@ def is_prodip(backend: Backend) -> bool:
 def run_chat_tuned(path: str | Path) -> bool | None:
     """Whether the run holding `path` (a run, a checkpoint, a file under RUN/export) was chat fine-tuned:
     its run.json says kind "sft". None when no readable run config is there to say."""
-    from training.sft_data import KIND as SFT_KIND  # training.sft_data pulls in the data stack: load on use
-
     run = layout.run_dir_of(path)
     try:
         cfg = layout.read_run_config(run) if run is not None else None
     except layout.LayoutError:
         return None
-    return None if cfg is None else cfg.get("kind") == SFT_KIND
+    return None if cfg is None else cfg.get("kind") == layout.SFT_KIND
 
 
 def chat_tuned(backend: Backend, path: str | Path | None = None) -> bool | None:
@@ -212,19 +209,43 @@ def prepare_completion(backend: Backend, prompt: str) -> list[int]:
 
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation as its entry made it (an HTTP body, the CLI's flags and line, the demo's widgets),
+    every part checked there and trusted after: a chat (`messages`) or a text completion (`prompt`), its
+    sampling (stop strings and max tokens included) and `adapter`, which base+adapter pair answers
+    (serving.lora_pairs; None: the default)."""
+
+    params: SamplingParams
+    messages: Sequence[dict] | None = None
+    prompt: str | None = None
+    adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise ServingError("a generation request is a chat (messages) or a completion (prompt): one of them")
+
+
 def chat_stream(backend: Backend, messages: Sequence[dict], params: SamplingParams,
-                lock: threading.Lock | None = None) -> tuple[PreparedChat, TextStream]:
-    """Prepare a conversation (may raise PromptTooLong / ChatError) and its reply stream."""
-    params = params.validate()
+                turn: GenerationTurn | None = None) -> tuple[PreparedChat, TextStream]:
+    """Prepare a conversation (may raise PromptTooLong / ChatError) and its reply stream, which holds
+    `turn` while it generates (serving.text_stream.GenerationTurn; None: the caller has the model to itself)."""
     prepared = prepare_chat(backend, messages, params)
-    chat_params = replace(params, stop=tuple(dict.fromkeys([*params.stop, *prepared.stop])))
-    return prepared, TextStream(backend, prepared.ids, chat_params, lock)
+    return prepared, TextStream(backend, prepared.ids, params.with_stops(prepared.stop), turn or OwnTurn())
 
 
 def completion_stream(backend: Backend, prompt: str, params: SamplingParams,
-                      lock: threading.Lock | None = None) -> TextStream:
-    params = params.validate()
-    return TextStream(backend, prepare_completion(backend, prompt), params, lock)
+                      turn: GenerationTurn | None = None) -> TextStream:
+    return TextStream(backend, prepare_completion(backend, prompt), params, turn or OwnTurn())
+
+
+def open_stream(backend: Backend, request: GenerationRequest,
+                turn: GenerationTurn | None = None) -> tuple[PreparedChat | None, TextStream]:
+    """The request's reply stream over `backend` (the pair its adapter picked): a chat's prepared
+    conversation beside it, None for a completion."""
+    if request.messages is not None:
+        return chat_stream(backend, request.messages, request.params, turn)
+    return None, completion_stream(backend, request.prompt or "", request.params, turn)
 
 
 class ChatSession:

@@ -4,7 +4,7 @@ for every file it wrote (export.manifest), checked again before the files are tr
 Two callers: `python -m export verify EXPORT_DIR` checks every listed file, and every weights file in
 the folder that the manifest does not list (export/verify.py); `serving.load` checks the listed files a
 load is about to read (`check_before_load`), so a changed byte in RUN/export/gguf/x.gguf is refused by
-name instead of answering with damaged weights. Hashing streams each file (training.files.sha256_file):
+name instead of answering with damaged weights. Hashing streams each file (training.runfiles.file_ops.sha256_file):
 memory stays flat whatever the size; docs/export.md gives the measured seconds per GB.
 
 Here and not in export/ because serving checks before it loads and never imports export (imports run one
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from serving.backend import ServingError
-from training import layout
-from training.files import sha256_file
+from training.runfiles import layout
+from training.runfiles.file_ops import sha256_file
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 MODEL_SUFFIXES = (".gguf", ".onnx")  # a file serving.load opens; its sidecars are named MODEL_x or MODEL.x
 # files that carry weights: never unlisted (.onnx_data: model.onnx_data; .data: model.onnx.data, older exports)
 WEIGHT_SUFFIXES = (*MODEL_SUFFIXES, ".onnx_data", ".data", ".safetensors")
-SIDECAR_SEPARATORS = ("_", ".")  # model.onnx_data (export.onnx_weights), model.onnx.data (exports before it)
+SIDECAR_SEPARATORS = ("_", ".")  # model.onnx_data (export.onnx.onnx_weights), model.onnx.data (exports before it)
 MANIFEST_LEVELS = 3  # RUN/export/{gguf/x.gguf, onnx/model.onnx, hf/}: the manifest is 1-2 levels above
 
 
@@ -132,7 +132,7 @@ def check_before_load(path: str | os.PathLike) -> None:
 def unlisted_weights(m: Manifest) -> Iterator[str]:
     """Weights files under ROOT (not in hidden folders) that the manifest does not list, except a hard link
     to, or a byte-identical copy of, a listed file of the same name (ONNX Runtime GenAI's folders link
-    the verified model.onnx and model.onnx_data: export.genai)."""
+    the verified model.onnx and model.onnx_data: export.onnx.genai)."""
     by_name: dict[str, list[str]] = {}
     for r in m.files:
         by_name.setdefault(PurePosixPath(r).name, []).append(r)

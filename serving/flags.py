@@ -1,5 +1,5 @@
 """argparse `type=` converters for the names serving's users type, shared by the `python -m serving`
-and `python -m export.evaluate` command lines (numbers use training.schema.flag). Light: no runtime,
+and `python -m export.evaluate` command lines (numbers use training.runfiles.schema.flag). Light: no runtime,
 no web framework imported."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from serving import ALIASES
-from training.schema import SchemaError, one_of
+from training.runfiles.schema import SchemaError, one_of
 
 
 def backend_name(text: str) -> str:

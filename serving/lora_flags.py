@@ -1,9 +1,9 @@
 """`python -m serving BASE.gguf --lora [NAME=]ADAPTER.gguf ... [--lora-scale S]`: LoRA adapters applied by
-llama.cpp at run time (serving.llamacpp_lora checks each fits the base first). --lora repeats: every adapter
+llama.cpp at run time (serving.backends.llamacpp_lora checks each fits the base first). --lora repeats: every adapter
 is loaded once beside the one base, the first is the default, and an HTTP request picks another by name
 (`"adapter": "NAME"`, or "base" for the base alone: serving.lora_pairs). A bare path is named by its file
 stem. --lora-scale is one strength for every adapter. An adapter run folder (training/sft.py --lora-rank)
-needs no flag: `python -m serving RUN` serves its base with the adapter (serving.torch_backend)."""
+needs no flag: `python -m serving RUN` serves its base with the adapter (serving.backends.torch_backend)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 
 from serving.backend import ServingError
-from serving.llamacpp_lora import NAME, check_name
-from training.schema import NonNegFloat, flag
+from serving.backends.llamacpp_lora import NAME, check_name
+from training.runfiles.schema import NonNegFloat, flag
 
 DEFAULT_SCALE = 1.0
 

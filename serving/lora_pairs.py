@@ -5,7 +5,7 @@ generates through the one loaded base with that adapter set per generation: no p
 - llama.cpp (`python -m serving BASE.gguf --lora NAME=A.gguf --lora NAME2=B.gguf`): the base alone (adapter
   "base") and each adapter on it; the default (what a request naming none gets) is the first --lora. The
   adapter is set on the llama.cpp context under the backend's lock, at the start of each generation
-  (serving.llamacpp: LlamaCppBackend.generate(adapter=...)), so two pairs never mix within a generation.
+  (serving.backends.llamacpp_backend: LlamaCppBackend.generate(adapter=...)), so two pairs never mix within a generation.
 - PyTorch (`python -m serving ADAPTER_RUN`): the one pair of the run, named by its folder; its base alone
   and several adapters on one base are llama.cpp's only (the adapted model holds its adapter in its weights'
   modules: another pair would be another model in memory).
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.backend import Backend, SamplingParams, ServingError
-from serving.llamacpp_lora import BASE_ONLY
+from serving.backends.llamacpp_lora import BASE_ONLY
 
 
 class AdapterView:
@@ -72,7 +72,7 @@ class Pairs:
     def of(cls, backend: Backend) -> Pairs | None:
         """The pairs of `backend`, or None when it serves no adapter."""
         adapters = getattr(backend, "adapters", None)
-        if adapters:  # llama.cpp: LlamaCppBackend.adapters, NAME -> serving.llamacpp_lora.Adapter
+        if adapters:  # llama.cpp: LlamaCppBackend.adapters, NAME -> serving.backends.llamacpp_lora.Adapter
             base, own = backend.base_name, getattr(backend.info, "chat_tuned", None)
             pairs = {BASE_ONLY: Pair(base, BASE_ONLY, backend.path.name, None, own)}
             for name, a in adapters.items():
@@ -83,8 +83,8 @@ class Pairs:
         if type(backend).__name__ != "TorchBackend" or path is None:
             return None
         from serving.chat_session import chat_tuned
-        from training import layout
-        from training.lora_run import is_adapter_run
+        from training.checkpoint.adapter_io import is_adapter_run
+        from training.runfiles import layout
 
         if not is_adapter_run(path):
             return None

@@ -1,13 +1,15 @@
 """Text out of a backend's token stream, shared by the CLI, the HTTP server and the demo.
 
-`TextStream` turns a backend's token stream into text pieces through `training.wellformed.decode_utf8`
+`TextStream` turns a backend's token stream into text pieces through `training.text.wellformed.decode_utf8`
 over the tokens' bytes (`bytes_decoder`): incomplete UTF-8 is held back until it completes, a byte
 sequence that never becomes UTF-8 is dropped and counted (`stats.invalid_bytes`), so no U+FFFD is
 ever shown; stop strings end the reply (and are never shown, not even in part), timing is recorded.
 `cancel()` ends a stream at its next token (from any thread), recorded as finish_reason "cancelled".
-`GenerationProbe` counts generations as they wait for their turn and run (the HTTP server's
-serving.scheduler, or a caller's `lock`). What the prompt is (a conversation fitted to the context, a
-completion) is serving.chat_session's.
+A stream is given its `GenerationTurn` (its place in "one generation at a time") when it is made, and holds it
+for its whole generation; one owner per program hands turns out: the HTTP server's
+serving.server.scheduler.Scheduler (each Job is a turn), the demo's `ModelTurns` (one per model), or none
+(`OwnTurn`, the default: the terminal's one consumer). `GenerationProbe` is an owner's record of its
+turns. What the prompt is (a conversation fitted to the context, a completion) is serving.chat_session's.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from serving.backend import Backend, SamplingParams
-from training.wellformed import REPLACEMENT, decode_utf8
+from training.text.wellformed import REPLACEMENT, decode_utf8
 
 REPLACEMENT_CHAR = REPLACEMENT  # what a lenient decoder writes for bytes that are not (yet) UTF-8
 RECENT_STATS = 64  # GenerationProbe keeps the stats of this many finished generations
@@ -139,17 +143,63 @@ class GenerationProbe:
                     "refused": self.refused}
 
 
+class GenerationTurn(Protocol):
+    """A generation's place in its model's "one generation at a time", given to its TextStream when it
+    is made: `hold(stats)` waits for the turn where it must (recording stats.queued_at / started_at) and
+    holds it, counted by its owner's GenerationProbe, for as long as the generation runs."""
+
+    def hold(self, stats: GenerationStats) -> AbstractContextManager[None]: ...
+
+
+class OwnTurn:
+    """The turn of a caller that has the model to itself (the terminal: one consumer): nothing to wait
+    for; counted by a probe of its own."""
+
+    def __init__(self) -> None:
+        self.probe = GenerationProbe()
+
+    @contextlib.contextmanager
+    def hold(self, stats: GenerationStats) -> Iterator[None]:
+        stats.queued_at = stats.started_at = time.perf_counter()
+        with self.probe.running(stats):
+            yield
+
+
+class ModelTurns:
+    """The owner of "one generation at a time" over one model whose consumers each have a thread of their
+    own (the demo: Gradio's workers bound them): a lock held for each whole generation, and the record
+    of it (`probe`). Given to each TextStream as its `turn`, or held around any other use of the model."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.probe = GenerationProbe()
+
+    def locked(self) -> bool:
+        """Whether a generation holds the model now."""
+        return self._lock.locked()
+
+    @contextlib.contextmanager
+    def hold(self, stats: GenerationStats) -> Iterator[None]:
+        stats.queued_at = time.perf_counter()
+        with self.probe.queued():
+            self._lock.acquire()
+        try:
+            stats.started_at = time.perf_counter()
+            with self.probe.running(stats):
+                yield
+        finally:
+            self._lock.release()
+
+
 @dataclass
 class TextStream:
-    """Iterate for text pieces; `stats` is complete once iteration ends. `lock` (if given) is held for
-    the whole generation, for a caller whose consumers each have a thread of their own (the demo: Gradio
-    bounds them); the HTTP server passes none: its scheduler runs every stream on one thread."""
+    """Iterate for text pieces; `stats` is complete once iteration ends. `params` is trusted (a
+    SamplingParams is valid by construction); `turn` is held for the whole generation (default: OwnTurn)."""
 
     backend: Backend
     ids: list[int]
     params: SamplingParams
-    lock: threading.Lock | None = None
-    probe: GenerationProbe | None = None
+    turn: GenerationTurn = field(default_factory=OwnTurn)
     stats: GenerationStats = field(init=False)
     text: str = field(init=False, default="")
     _cancelled: threading.Event = field(init=False, default_factory=threading.Event, repr=False)
@@ -159,23 +209,11 @@ class TextStream:
         self._cancelled.set()
 
     def __post_init__(self) -> None:
-        self.params = self.params.validate()
         self.stats = GenerationStats(prompt_tokens=len(self.ids))
 
     def __iter__(self) -> Iterator[str]:
-        probe = self.probe or GenerationProbe()
-        if self.stats.queued_at is None:  # a server sets it when the request arrived
-            self.stats.queued_at = time.perf_counter()
-        if self.lock is not None:
-            with probe.queued():
-                self.lock.acquire()
-        self.stats.started_at = time.perf_counter()
-        try:
-            with probe.running(self.stats):
-                yield from self._run()
-        finally:
-            if self.lock is not None:
-                self.lock.release()
+        with self.turn.hold(self.stats):
+            yield from self._run()
 
     def _run(self) -> Iterator[str]:
         stops = [s for s in self.params.stop if s]

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
         return compile_counters(argv[1:])
     if argv[:1] == ["rank0_reads"]:
         if int(os.environ.get("RANK", "0")) != 0:
-            from training import checkpoint
+            from training.checkpoint import checkpoint_io as checkpoint
 
             def refuse(*a, **k):
                 raise AssertionError(f"rank {os.environ['RANK']} read a whole tensor file: {a[:1]}")
@@ -102,7 +102,7 @@ def fused_adamw_on_dtensors(steps: int = 3) -> int:
     import torch
 
     from training import distributed as D
-    from training.model import Transformer, preset
+    from training.model.decoder import Transformer, preset
 
     d = D.setup("cpu")
     cpu = torch.device("cpu")

@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import ASSETS, CORPUS
 
-from training.checkpoint import load_model
-from training.model import ModelConfig, Transformer
-from training.text import normalize
-from training.tokenizer import Tokenizer, train_tokenizer
+from training.checkpoint.checkpoint_io import load_model
+from training.model.decoder import ModelConfig, Transformer
+from training.text.normalization import normalize
+from training.text.tokenizer import Tokenizer, train_tokenizer
 
 EVAL_ASSETS = ASSETS / "eval"
 HELDOUT = EVAL_ASSETS / "heldout_bn.txt"

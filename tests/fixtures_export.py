@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ASSETS, TATOEBA, built_once, shared_path
 
-from training.text import normalize
+from training.text.normalization import normalize
 
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
 
@@ -49,8 +49,8 @@ def exported(trained_run, tmp_path_factory) -> Path:
 
 
 def export_all(run: Path, out: Path) -> Path:
-    from export.gguf import export_gguf
-    from export.hf import export_hf
+    from export.gguf.gguf_export import export_gguf
+    from export.hf.hf_export import export_hf
     from export.manifest import Manifest, load_source
 
     src = load_source(run)

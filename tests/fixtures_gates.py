@@ -12,16 +12,16 @@ import torch
 from conftest import REPO, built_once
 
 from training import distributed as D
-from training.config import TrainConfig
-from training.data import pretraining_data, read_shard, write_shard
+from training.data.loaders import pretraining_data, read_shard, write_shard
 from training.gates.context import PreflightContext
 from training.loop.step import autocast_for
-from training.metrics import flops_per_token
-from training.model import Transformer
+from training.model.decoder import Transformer
 from training.optim import make_optimizer
 from training.prepare import prepare
-from training.text import normalize
-from training.tokenizer import Tokenizer, train_tokenizer
+from training.telemetry.step_metrics import flops_per_token
+from training.text.normalization import normalize
+from training.text.tokenizer import Tokenizer, train_tokenizer
+from training.train_config import TrainConfig
 
 CORPUS = REPO / "training" / "assets" / "corpus"
 VOCAB = 1024

@@ -70,8 +70,8 @@ def init_work(tmp_path_factory) -> dict:
     """The tokenizer, one HF folder per MODELS entry, and a data folder prepared with their tokenizer."""
     pytest.importorskip("transformers")
     from training.prepare import prepare
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
+    from training.text.normalization import normalize
+    from training.text.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("init_from")
     corpus = write_subset(root / "corpus", 60_000)
@@ -89,10 +89,10 @@ def init_work(tmp_path_factory) -> dict:
 def init_extended(init_work) -> dict:
     """A stock Llama model (vocabulary 400) whose tokenizer is extended by ADD Bangla pieces trained on the corpus,
     and the data prepared with the extended tokenizer."""
-    from training import vocab_extend
     from training.prepare import prepare
-    from training.text import detect_language
-    from training.tokenizer import train_tokenizer
+    from training.text import vocab_extend
+    from training.text.normalization import detect_language
+    from training.text.tokenizer import train_tokenizer
 
     work = init_work
     root = work["root"] / "ext"

@@ -1,7 +1,7 @@
 """Fixtures for the ONNX export / serving tests: the suite's one trained run, exported once.
 
 The run is conftest's `tiny_run` (training/train.py on the corpus that ships in training/assets), so
-the exactness tests never skip; it is exported by export.onnx with the int8 and int4 variants into a
+the exactness tests never skip; it is exported by export.onnx.onnx_export with the int8 and int4 variants into a
 folder of its own (the run is shared by the whole suite and stays untouched).
 """
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import built_once
 
-from training import checkpoint
-from training.logprobs import kl_rows
+from training.checkpoint import checkpoint_io as checkpoint
+from training.model.logprobs import kl_rows
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,7 @@ def onnx_run(tiny_run) -> Path:
 @pytest.fixture(scope="session")
 def onnx_export(onnx_run, tmp_path_factory) -> tuple[Path, list[Path]]:
     """(out_dir, files written) of the tiny run exported with fp32, int8 and int4."""
-    from export.onnx import export_onnx
+    from export.onnx.onnx_export import export_onnx
 
     def build(root: Path) -> tuple[Path, list[Path]]:
         return root / "onnx", export_onnx(onnx_run, root / "onnx", int8=True, int4=True)

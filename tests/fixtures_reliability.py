@@ -169,8 +169,8 @@ def rel_run(bn_data, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def foreign_tokenizer(tmp_path_factory) -> Path:
     """A tokenizer.model with the same vocabulary size (2048) trained on other text: same shape, other ids."""
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
+    from training.text.normalization import normalize
+    from training.text.tokenizer import train_tokenizer
 
     lines = [normalize(x) for f in sorted(ASSETS_CORPUS.glob("*.txt"))
              for x in f.read_text(encoding="utf-8").splitlines() if x.strip()]
@@ -183,8 +183,8 @@ def foreign_tokenizer(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def rel_gguf(rel_run, tmp_path_factory) -> Path:
-    """The tiny run exported to an F32 GGUF through `export.gguf` (in a copy of the run)."""
-    from export.gguf import export_gguf
+    """The tiny run exported to an F32 GGUF through `export.gguf.gguf_export` (in a copy of the run)."""
+    from export.gguf.gguf_export import export_gguf
     from export.manifest import Manifest, default_out_dir, load_source
 
     def build(root: Path) -> Path:

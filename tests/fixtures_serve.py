@@ -18,7 +18,7 @@ import preloaded
 import pytest
 from conftest import CHAT_SET, CORPUS, REPO, built_once
 
-from training.text import normalize
+from training.text.normalization import normalize
 
 STEPS = int(os.environ.get("PRODIP_TEST_SERVE_STEPS", "40"))  # assistant-token loss ~0.04 by then
 LR = 3e-3
@@ -91,8 +91,8 @@ def serve_run(chat_run) -> Path:
 
 
 def try_export_gguf(run_dir: Path, types: tuple[str, ...] = ("F16",)) -> Path:
-    """The run exported to GGUF through export.gguf (RUN/export/gguf/)."""
-    from export.gguf import export_gguf
+    """The run exported to GGUF through export.gguf.gguf_export (RUN/export/gguf/)."""
+    from export.gguf.gguf_export import export_gguf
     from export.manifest import Manifest, default_out_dir, load_source
 
     src = load_source(run_dir)
@@ -114,10 +114,10 @@ def client():
     refused before generation. A server exception answers 500, which every caller's status check fails."""
     from fastapi.testclient import TestClient
 
-    from serving.http import ServerConfig, create_app
-    from serving.torch_backend import TorchBackend
-    from training.model import Transformer, preset
-    from training.tokenizer import train_tokenizer
+    from serving.backends.torch_backend import TorchBackend
+    from serving.server.http_app import ServerConfig, create_app
+    from training.model.decoder import Transformer, preset
+    from training.text.tokenizer import train_tokenizer
 
     lines = [normalize(x) for f in sorted(CORPUS.glob("*.txt")) for x in f.read_text(encoding="utf-8").splitlines()
              if x.strip()]

@@ -37,7 +37,7 @@ from typing import IO
 REPO = Path(__file__).resolve().parents[1]
 # imported once by the server: what `python training/train.py` and `python -m export|serving` import first
 PRELOAD = ["torch", "numpy", "safetensors.torch", "sentencepiece", "pydantic", "training.train", "training.trainer",
-           "training.prepare.cli", "export.__main__", "serving.__main__", "preloaded"]
+           "training.prepare.prepare_cli", "export.__main__", "serving.__main__", "preloaded"]
 COLD = "PRODIP_TEST_COLD"
 
 _ctx: mp.context.ForkServerContext | None = None

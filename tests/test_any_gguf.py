@@ -36,9 +36,9 @@ from fixtures_foreign_gguf import (
 
 import serving
 from serving.backend import SamplingParams, ServingError
+from serving.backends.llamacpp_backend import FOREIGN_MAX_CTX
 from serving.chat_session import chat_stream, plain_text
-from serving.llamacpp import FOREIGN_MAX_CTX
-from training.chat import CHAT_TEMPLATE
+from training.text.chat_template import CHAT_TEMPLATE
 
 MESSAGES = [{"role": "system", "content": "তুমি সাহায্যকারী।"}, {"role": "user", "content": "হ্যালো, কেমন আছ?"}]
 NEW_TOKENS = 8

@@ -1,6 +1,6 @@
 """llama.cpp's aarch64 kernels on the suite's model: the runner scripts/build_llama_arm.sh cross-builds
 (armv8.2-a+dotprod+fp16, and armv8.6-a+i8mm), run under qemu-aarch64, against x86 llama.cpp on the same
-GGUF and the PyTorch fp32 checkpoint (export.arm_parity). The build happens in scripts/setup.sh --dev
+GGUF and the PyTorch fp32 checkpoint (export.parity.arm_parity). The build happens in scripts/setup.sh --dev
 (cached); a missing build fails here, it is never skipped. Planted defects: another file's ARM ids and
 logits, and logit rows shifted by one position, must both fail the row."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from export.__main__ import main
-from export.arm_parity import (
+from export.manifest import Manifest, load_source
+from export.parity.arm_parity import (
     ARM_X86_MAX_ABS,
     ROW,
     VARIANTS,
@@ -22,9 +23,8 @@ from export.arm_parity import (
     gguf_files,
     run_arm,
 )
-from export.manifest import Manifest, load_source
-from export.parity import DEFAULT_THRESHOLDS, PROMPTS, reference_backend, run_parity
-from serving.llamacpp import LlamaCppBackend
+from export.parity.native_parity import DEFAULT_THRESHOLDS, PROMPTS, reference_backend, run_parity
+from serving.backends.llamacpp_backend import LlamaCppBackend
 
 N_NEW = 4  # short continuations keep qemu's time small; the 10 fixed prompts give ~350 compared positions
 TYPES = ("Q4_K_M", "Q8_0")

@@ -28,7 +28,7 @@ import pytest
 from conftest import CORPUS
 from fixtures_reliability import call_main, child_env, one_error, train_argv, tree_digest
 
-from training import layout
+from training.runfiles import layout
 
 MISSING = "/nonexistent/prodip-boundaries-2/missing"
 DEEP = 100_000  # far past any parser's recursion limit (CPython's json gives up near 1000)
@@ -60,16 +60,16 @@ def _files(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize(("module", "argv", "file"), [
-    ("training.evaluate.cli", [MISSING, "--mc", "{f}", "--no-twin"], "deep.jsonl"),
-    ("training.evaluate.cli", [MISSING, "--mc", "{f}", "--no-twin"], "deep.json"),
-    ("training.evaluate.cli", [MISSING, "--text", "{f}", "--no-twin"], "deep-text.jsonl"),
-    ("training.evaluate.cli", [MISSING, "--mc", "{f}", "--no-twin"], "lone-mc.jsonl"),
-    ("training.evaluate.cli", [MISSING, "--text", "{f}", "--no-twin"], "lone-text.jsonl"),
+    ("training.evaluate.evaluate_cli", [MISSING, "--mc", "{f}", "--no-twin"], "deep.jsonl"),
+    ("training.evaluate.evaluate_cli", [MISSING, "--mc", "{f}", "--no-twin"], "deep.json"),
+    ("training.evaluate.evaluate_cli", [MISSING, "--text", "{f}", "--no-twin"], "deep-text.jsonl"),
+    ("training.evaluate.evaluate_cli", [MISSING, "--mc", "{f}", "--no-twin"], "lone-mc.jsonl"),
+    ("training.evaluate.evaluate_cli", [MISSING, "--text", "{f}", "--no-twin"], "lone-text.jsonl"),
     ("export.evaluate", ["{model}", "--mc", "{f}"], "deep.jsonl"),
     ("export.evaluate", ["{model}", "--mc", "{f}"], "lone-mc.jsonl"),
-    ("training.prepare.cli", ["--input", "{f}", "--out", "{tmp}/data", "--strict"], "deep-text.jsonl"),
-    ("training.prepare.cli", ["--input", "{f}", "--out", "{tmp}/data", "--strict"], "lone-text.jsonl"),
-    ("training.prepare.cli", ["--input", str(CORPUS), "--out", "{tmp}/data", "--decontaminate", "{f}"], "deep.json"),
+    ("training.prepare.prepare_cli", ["--input", "{f}", "--out", "{tmp}/data", "--strict"], "deep-text.jsonl"),
+    ("training.prepare.prepare_cli", ["--input", "{f}", "--out", "{tmp}/data", "--strict"], "lone-text.jsonl"),
+    ("training.prepare.prepare_cli", ["--input", str(CORPUS), "--out", "{tmp}/data", "--decontaminate", "{f}"], "deep.json"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_a_hostile_json_file_is_one_error_naming_it(module, argv, file, tmp_path, capsys):
     files = _files(tmp_path)
@@ -91,7 +91,7 @@ def test_sft_refuses_a_hostile_chat_file(file, rel_run, tmp_path, capsys):
 
 
 def test_the_records_reader_names_depth_and_surrogates_with_the_line(tmp_path):
-    from training.records import RecordError, read_records
+    from training.runfiles.json_records import RecordError, read_records
 
     files = _files(tmp_path)
     for name, words in (("deep.jsonl", "nested deeper"), ("deep.json", "nested deeper"),
@@ -106,8 +106,8 @@ def test_the_records_reader_names_depth_and_surrogates_with_the_line(tmp_path):
 
 
 def test_a_non_utf8_argument_is_refused_before_anything_runs(tmp_path, capsys):
-    """Every CLI (through training.cli.run_main): the argument named, the bytes shown, exit 2."""
-    line = one_error(*call_main("training.prepare.cli", ["--input", str(tmp_path / NOT_UTF8), "--out", tmp_path / "d"],
+    """Every CLI (through training.runfiles.cli_harness.run_main): the argument named, the bytes shown, exit 2."""
+    line = one_error(*call_main("training.prepare.prepare_cli", ["--input", str(tmp_path / NOT_UTF8), "--out", tmp_path / "d"],
                            capsys), "not UTF-8")
     assert "\\xe9" in line
     assert list(tmp_path.iterdir()) == []
@@ -131,7 +131,7 @@ def test_a_folder_with_a_non_utf8_file_name_is_refused_by_name(tmp_path, capsys)
     shutil.copy(next(CORPUS.glob("*.txt")), inputs / "good.txt")
     (Path(os.fsdecode(os.fsencode(inputs) + b"/bad-\xe9.txt"))).write_text("কিছু লেখা\n", encoding="utf-8")
     before = tree_digest(tmp_path)
-    one_error(*call_main("training.prepare.cli", ["--input", inputs, "--out", tmp_path / "data"], capsys), "bad-\\xe9.txt")
+    one_error(*call_main("training.prepare.prepare_cli", ["--input", inputs, "--out", tmp_path / "data"], capsys), "bad-\\xe9.txt")
     assert tree_digest(tmp_path) == before and not (tmp_path / "data").exists()
 
 
@@ -149,7 +149,7 @@ MC_BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(MC_BAD))
-@pytest.mark.parametrize("module", ["training.evaluate.cli", "export.evaluate"])
+@pytest.mark.parametrize("module", ["training.evaluate.evaluate_cli", "export.evaluate"])
 def test_a_wrongly_shaped_mc_record_is_refused(module, case, tmp_path, capsys):
     rec, field = MC_BAD[case]
     mc = tmp_path / "mc.jsonl"
@@ -157,7 +157,7 @@ def test_a_wrongly_shaped_mc_record_is_refused(module, case, tmp_path, capsys):
                   encoding="utf-8")
     model = tmp_path / "model.gguf"
     model.write_bytes(b"not read")
-    argv = [MISSING, "--mc", mc, "--no-twin"] if module == "training.evaluate.cli" else [model, "--mc", mc]
+    argv = [MISSING, "--mc", mc, "--no-twin"] if module == "training.evaluate.evaluate_cli" else [model, "--mc", mc]
     line = one_error(*call_main(module, argv, capsys), f"{mc}:2")
     assert field in line, line
 
@@ -186,7 +186,7 @@ def test_vocab_size_is_never_replaced_silently(bn_data, tmp_path, capsys):
     ("bn=0.8,en=0.8", "sum to 1.6"), ("bn=3,en=1", "share of bn is 3"), ("bn=0.5,bn=0.5", "bn is given twice"),
 ])
 def test_mix_is_refused_not_normalised(mix, words, tmp_path, capsys):
-    one_error(*call_main("training.prepare.cli", ["--input", CORPUS, "--out", tmp_path / "d", "--mix", mix], capsys),
+    one_error(*call_main("training.prepare.prepare_cli", ["--input", CORPUS, "--out", tmp_path / "d", "--mix", mix], capsys),
               words)
     assert not (tmp_path / "d").exists()
 
@@ -201,7 +201,7 @@ def test_out_url_is_refused(url, bn_data, tmp_path, monkeypatch, capsys):
 
 
 def test_gen_tokens_beyond_any_context_is_refused(capsys):
-    one_error(*call_main("training.evaluate.cli", [MISSING, "--gen-tokens", str(10**9)], capsys), "--gen-tokens")
+    one_error(*call_main("training.evaluate.evaluate_cli", [MISSING, "--gen-tokens", str(10**9)], capsys), "--gen-tokens")
 
 
 def test_gen_tokens_beyond_the_model_context_is_refused(rel_run, tmp_path, capsys):
@@ -209,7 +209,7 @@ def test_gen_tokens_beyond_the_model_context_is_refused(rel_run, tmp_path, capsy
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("নমস্কার\n", encoding="utf-8")
-    one_error(*call_main("training.evaluate.cli", [rel_run, "--prompts", prompts, "--gen-tokens", str(N_CTX),
+    one_error(*call_main("training.evaluate.evaluate_cli", [rel_run, "--prompts", prompts, "--gen-tokens", str(N_CTX),
                                               "--out", tmp_path / "eval", "--no-twin"], capsys), "--gen-tokens 64")
     assert not (tmp_path / "eval").exists()
 

@@ -27,7 +27,7 @@ import preloaded
 import pytest
 from fixtures_reliability import call_main, one_error, tree_digest
 
-from training import layout
+from training.runfiles import layout
 
 REPO = Path(__file__).resolve().parents[1]
 FORCE = ("", "--force")
@@ -59,7 +59,7 @@ def test_prepare_never_writes_over_its_input(spelling, force, tmp_path, monkeypa
                 "dotdot": (corpus, tmp_path / "home" / "x" / ".." / "corpus"),
                 "file-inside": (corpus / "bn.txt", corpus)}[spelling]
     argv = ["--input", inp, "--out", out, *([force] if force else [])]
-    line = _refused("training.prepare.cli", argv, capsys, "--out", keep=tmp_path)
+    line = _refused("training.prepare.prepare_cli", argv, capsys, "--out", keep=tmp_path)
     assert "--input" in line  # both flags named
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "link"]
 
@@ -72,7 +72,7 @@ def test_prepare_out_holding_another_input_is_refused(flag, where, tmp_path, cap
     out.mkdir()
     (out / where).write_text("x")
     extra = ["--add-pieces", "8"] if flag == "--extend-tokenizer" else []
-    line = _refused("training.prepare.cli", ["--input", corpus, "--out", out, flag, out / where, *extra, "--force"],
+    line = _refused("training.prepare.prepare_cli", ["--input", corpus, "--out", out, flag, out / where, *extra, "--force"],
                     capsys, "--out", keep=tmp_path)
     assert flag in line
 
@@ -80,7 +80,7 @@ def test_prepare_out_holding_another_input_is_refused(flag, where, tmp_path, cap
 def test_merge_never_writes_over_a_shard(tmp_path, capsys):
     a, b = _corpus(tmp_path / "a"), _corpus(tmp_path / "b")
     for out in (a, tmp_path, a / "merged"):
-        line = _refused("training.prepare.cli", ["merge", a, b, "--out", out, "--force"], capsys, "--out",
+        line = _refused("training.prepare.prepare_cli", ["merge", a, b, "--out", out, "--force"], capsys, "--out",
                         keep=tmp_path)
         assert "SHARD_DIR" in line
 
@@ -185,7 +185,7 @@ def test_evaluate_out_apart_from_its_inputs(own_run, tmp_path, capsys):
     (texts / "t.txt").write_text("আমি ভাত খাই।\n" * 5, encoding="utf-8")
     before = tree_digest(own_run)
     for out, named in ((texts, "--text"), (own_run / layout.CHECKPOINTS, "RUN_OR_CHECKPOINT")):
-        line = one_error(*call_main("training.evaluate.cli", [own_run, "--text", texts / "t.txt", "--out", out,
+        line = one_error(*call_main("training.evaluate.evaluate_cli", [own_run, "--text", texts / "t.txt", "--out", out,
                                                               "--no-twin", "--gen-tokens", "0", "--force"], capsys),
                          "--out")
         assert named in line
@@ -200,13 +200,13 @@ def test_evaluate_out_apart_from_its_inputs(own_run, tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------------- 7: store URLs
 @pytest.mark.parametrize(("module", "argv", "flag"), [
-    ("training.prepare.cli", ["--input", "{corpus}", "--out", "s3://b/data"], "--out"),
-    ("training.prepare.cli", ["--input", "s3://b/corpus", "--out", "{tmp}/d"], "--input"),
-    ("training.prepare.cli", ["--input", "{corpus}", "--out", "{tmp}/d", "--tokenizer", "gs://b/t.model"], "--tokenizer"),
-    ("training.prepare.cli", ["merge", "s3://b/s0", "{corpus}", "--out", "{tmp}/d"], "SHARD_DIR"),
+    ("training.prepare.prepare_cli", ["--input", "{corpus}", "--out", "s3://b/data"], "--out"),
+    ("training.prepare.prepare_cli", ["--input", "s3://b/corpus", "--out", "{tmp}/d"], "--input"),
+    ("training.prepare.prepare_cli", ["--input", "{corpus}", "--out", "{tmp}/d", "--tokenizer", "gs://b/t.model"], "--tokenizer"),
+    ("training.prepare.prepare_cli", ["merge", "s3://b/s0", "{corpus}", "--out", "{tmp}/d"], "SHARD_DIR"),
     ("demo", ["--model", "s3://b/run/export/gguf/m.gguf"], "--model"),
     ("export.evaluate", ["s3://b/run/export/gguf/m.gguf"], "FILE"),
-    ("training.evaluate.cli", ["s3://b/run", "--no-twin"], "path"),
+    ("training.evaluate.evaluate_cli", ["s3://b/run", "--no-twin"], "path"),
     ("export", ["safetensors", "{corpus}", "--out", "s3://b/x"], "--out"),
 ])
 def test_local_only_commands_refuse_a_url_by_name(module, argv, flag, tmp_path, monkeypatch, capsys):
@@ -267,7 +267,7 @@ BAD_MARKERS = [
 def test_a_commit_marker_of_the_wrong_shape_is_not_trusted(s3_server, tmp_path, monkeypatch, capsys):
     """Checked by its schema before use: a damaged marker vouches for nothing (as after an upload cut
     short), never an AttributeError; through the commands, one line naming the URL."""
-    from training import remote
+    from training.store import remote_run as remote
 
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
@@ -333,7 +333,7 @@ ROPE4 = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}  # transforme
     ({"rope_scaling": [1]}, "rope_scaling"),
 ])
 def test_init_from_config_is_read_strictly(over, named, tmp_path):
-    from training.hf_import import InitFromError, model_config
+    from training.model.hf_import import InitFromError, model_config
 
     with pytest.raises(InitFromError) as e:
         model_config({**LLAMA, **over}, tmp_path / "config.json")
@@ -341,7 +341,7 @@ def test_init_from_config_is_read_strictly(over, named, tmp_path):
 
 
 def test_init_from_config_both_spellings_agreeing_or_one_is_read(tmp_path):
-    from training.hf_import import model_config
+    from training.model.hf_import import model_config
 
     for hf in (LLAMA, {**LLAMA, "rope_theta": 10000.0}, {**ROPE4, "rope_theta": 10000.0, "rope_scaling": None},
                {**ROPE4, "rope_theta": 10000}):

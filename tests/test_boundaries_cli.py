@@ -68,21 +68,21 @@ FLAG_CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("export.evaluate", [MISSING, "--threads", "0"], ("--threads",)),
     ("export.evaluate", [MISSING, "--backend", "lamacpp"], ("--backend",)),
     # prepare: every number, gate and language names, source kinds
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--vocab-size", "0"], ("--vocab-size",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--workers", "0"], ("--workers",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--seed", "-1"], ("--seed",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--val-fraction", "1"], ("--val-fraction",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--val-fraction", "nan"], ("--val-fraction",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--shard-tokens", "0"], ("--shard-tokens",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--fertility-floor", "-inf"],
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--vocab-size", "0"], ("--vocab-size",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--workers", "0"], ("--workers",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--seed", "-1"], ("--seed",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--val-fraction", "1"], ("--val-fraction",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--val-fraction", "nan"], ("--val-fraction",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--shard-tokens", "0"], ("--shard-tokens",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--fertility-floor", "-inf"],
      ("--fertility-floor",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--num-shards", "0"], ("--num-shards",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--balance-range", "0.8"], ("--balance-range",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--skip-gate", "tokenizer.fertilty"],
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--num-shards", "0"], ("--num-shards",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--balance-range", "0.8"], ("--balance-range",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--skip-gate", "tokenizer.fertilty"],
      ("'tokenizer.fertility'",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--mix", "bn=0.8,eng=0.2"], ("'en'",)),
-    ("training.prepare.cli", ["--input", MISSING, "--out", MISSING, "--mix", "bn=inf"], ("--mix",)),
-    ("training.prepare.cli", ["--input", "hff:HuggingFaceFW/fineweb-2", "--out", MISSING], ("'hf:'",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--mix", "bn=0.8,eng=0.2"], ("'en'",)),
+    ("training.prepare.prepare_cli", ["--input", MISSING, "--out", MISSING, "--mix", "bn=inf"], ("--mix",)),
+    ("training.prepare.prepare_cli", ["--input", "hff:HuggingFaceFW/fineweb-2", "--out", MISSING], ("'hf:'",)),
 ]
 
 
@@ -93,14 +93,14 @@ def test_bad_flag_is_one_error_line(module, argv, names, capsys):
 
 
 def test_every_numeric_flag_is_schema_typed():
-    """No numeric flag of these CLIs is parsed by plain int/float: each carries a training.schema type."""
+    """No numeric flag of these CLIs is parsed by plain int/float: each carries a training.runfiles.schema type."""
     import argparse
 
     from export.imatrix import build_parser as imatrix_parser
     from export.onnx_stream import build_parser as onnx_stream_parser
 
     parsers = {m: importlib.import_module(m).build_parser()
-               for m in ("serving.__main__", "export.__main__", "export.evaluate", "training.prepare.cli")}
+               for m in ("serving.__main__", "export.__main__", "export.evaluate", "training.prepare.prepare_cli")}
     parsers |= {"export.imatrix": imatrix_parser(), "export.onnx_stream": onnx_stream_parser()}
     stack = list(parsers.items())
     plain = []
@@ -126,7 +126,7 @@ def test_prepare_failure_leaves_the_folder_unchanged(tmp_path, capsys):
     for argv, names in [(["--input", MISSING], (MISSING,)),
                         (["--input", str(CORPUS), "--quality", str(bad_quality)], ("'quality'",)),
                         (["--input", str(CORPUS), "--tokenizer", str(bad_quality)], (str(bad_quality),))]:
-        one_error(*call_main("training.prepare.cli", [*argv, "--out", str(out), "--force"], capsys), names)
+        one_error(*call_main("training.prepare.prepare_cli", [*argv, "--out", str(out), "--force"], capsys), names)
         assert tree_digest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "quality.toml"]  # no temp folder left
 
@@ -234,7 +234,7 @@ def test_server_fails_before_it_announces(bind, busy_port, rel_run, capsys, monk
 
 def test_reserve_socket_holds_the_port(busy_port):
     from serving.backend import ServingError
-    from serving.http import bound_port, reserve_socket
+    from serving.server.http_app import bound_port, reserve_socket
 
     sock = reserve_socket("127.0.0.1", 0)
     try:
@@ -302,7 +302,7 @@ def test_spaces_and_bangla_in_paths_still_work(rel_run, tmp_path, capsys):  # no
     corpus = tmp_path / "কর্পাস ফাইল" / "bn text.txt"
     corpus.parent.mkdir()
     shutil.copy(sorted(CORPUS.glob("bn_*.txt"))[0], corpus)
-    rc, out, err = call_main("training.prepare.cli", ["--input", corpus, "--out", tmp_path / "ডেটা আউট", "--vocab-size",
+    rc, out, err = call_main("training.prepare.prepare_cli", ["--input", corpus, "--out", tmp_path / "ডেটা আউট", "--vocab-size",
                                                  "400", "--workers", "1", "--no-progress", "--skip-gate",
                                                  "tokenizer.fertility", "--skip-gate", "tokenizer.balance"], capsys)
     assert rc == 0, err

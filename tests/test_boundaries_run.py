@@ -17,9 +17,10 @@ import pytest
 from fixtures_reliability import train_argv, tree_digest
 from safetensors.torch import load_file, save_file
 
-from training import checkpoint as ckpt
-from training import gates, layout
+from training import gates
+from training.checkpoint import checkpoint_io as ckpt
 from training.gates import GateReport, GateResult
+from training.runfiles import layout
 from training.train import main as train_main
 
 STEPS = 4  # the base run: checkpoints at 2 and 4

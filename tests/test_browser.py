@@ -27,7 +27,7 @@ from fixtures_serve import (
 from test_serving_torch import assert_wellformed_bangla, reference_reply
 
 from demo.app import COMPARE_TAB, DEFAULT_MAX_TOKENS, TOKENS_TAB
-from training.text import script_counts
+from training.text.normalization import script_counts
 
 CHROMIUM = Path("/usr/bin/chromium")
 # scripts/test.sh installs Debian's chromium when run as root; without it this skips, and under CI=true

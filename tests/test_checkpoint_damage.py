@@ -21,7 +21,7 @@ import torch
 from fixtures_reliability import call_main, one_error, train_argv, tree_digest
 from safetensors.torch import load_file, save_file
 
-from training import checkpoint as ckpt
+from training.checkpoint import checkpoint_io as ckpt
 
 TEXT = sorted((Path(__file__).resolve().parents[1] / "training" / "assets" / "corpus").glob("*.txt"))[0]
 STEP = 4  # rel_run's newest checkpoint: checkpoints/step_0000004
@@ -74,7 +74,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
 STAGES: dict[str, tuple[str, Callable[[Path, Path], list]]] = {
     "resume": ("training.train", lambda run, data: train_argv(data, run, steps=STEP + 2)[2:]),
     "export": ("export.__main__", lambda run, data: ["safetensors", run, "--no-parity"]),
-    "evaluate": ("training.evaluate.cli", lambda run, data: [run, "--text", TEXT, "--limit", "2", "--no-twin",
+    "evaluate": ("training.evaluate.evaluate_cli", lambda run, data: [run, "--text", TEXT, "--limit", "2", "--no-twin",
                                                              "--gen-tokens", "0"]),
 }
 

@@ -1,4 +1,4 @@
-"""training/checkpoint_format.py on hand-built folders and state dicts: which step_* folders a resume
+"""training/checkpoint/checkpoint_format.py on hand-built folders and state dicts: which step_* folders a resume
 sees and in what order, which one `resolve` picks, the optimizer state's flat form and back, the
 file names. Expectations are written out from the format (step_0000012, model.rank00001-of-00002,
 "name/moment"), never read back from the code. The fast tests of the `resume` mutation target."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.checkpoint_format as F
+import training.checkpoint.checkpoint_format as F
 
 
 def step(run: Path, n: int | str, *files: str) -> Path:

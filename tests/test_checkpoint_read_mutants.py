@@ -1,5 +1,5 @@
 """The checkpoint readers in-process (issue #46 item 3, mutation target `checkpoint-read`): the read half of
-training/checkpoint.py and training/checkpoint_verify.py, on checkpoints of an untrained tiny model
+training/checkpoint/checkpoint_io.py and training/checkpoint/checkpoint_verify.py, on checkpoints of an untrained tiny model
 written here by the project's own writer (single-file and sharded over two "ranks"), then damaged one
 way each. What a reader promises (checkpoint_verify's module doc, docs/reliability.md "Checkpoints and
 run folders, checked"): every failure is one CheckpointError naming the file and the field; nothing is
@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from training import checkpoint as C
-from training import checkpoint_verify as V
-from training.model import ModelConfig, Transformer
-from training.tokenizer import train_tokenizer
+from training.checkpoint import checkpoint_io as C
+from training.checkpoint import checkpoint_verify as V
+from training.model.decoder import ModelConfig, Transformer
+from training.text.tokenizer import train_tokenizer
 
 SENTENCES = ["hello world this is a test", "আমি বাংলায় গান গাই"] * 50
 

@@ -1,4 +1,4 @@
-"""training/loop/checks.py in-process (issue #46 item 3, mutation target `checks`): the runtime gates'
+"""training/loop/runtime_checks.py in-process (issue #46 item 3, mutation target `checks`): the runtime gates'
 verdict on one step's read values, as docs/gates.md ("Runtime gates") states it:
 
 - a non-finite loss or gradient norm stops the run before the optimizer step, RUN_DIR/nonfinite.json
@@ -23,9 +23,11 @@ import torch
 
 from training import distributed as D
 from training import gates
-from training.config import TrainConfig
-from training.loop.checks import RuntimeChecks
+from training.config_sections import ChecksSection
+from training.loop.runtime_checks import RuntimeChecks
 from training.loop.step import StepResult
+from training.run_context import RunContext
+from training.train_config import TrainConfig
 
 POSITION = {"epoch": 0, "index": 7}
 
@@ -52,8 +54,8 @@ def healthy() -> list[tuple[str, torch.nn.Parameter]]:
 def make(tmp_path: Path, trainable=None, d: D.Dist | None = None, **cfg) -> tuple[RuntimeChecks, Recorder]:
     rec = Recorder()
     cfg.setdefault("grad_flow_every", 0)
-    checks = RuntimeChecks(TrainConfig(**cfg), d or D.Dist(), torch.device("cpu"), tmp_path,
-                           healthy() if trainable is None else trainable, rec.events.append, rec.said.append)
+    ctx = RunContext(d or D.Dist(), torch.device("cpu"), tmp_path, log=rec.events.append, say=rec.said.append)
+    checks = RuntimeChecks(ChecksSection.of(TrainConfig(**cfg)), ctx, healthy() if trainable is None else trainable)
     return checks, rec
 
 
@@ -209,7 +211,7 @@ class DeviceSeen(D.Dist):
 
 def test_the_vote_on_a_nonfinite_step_runs_on_the_runs_device(tmp_path):
     d = DeviceSeen()
-    checks = RuntimeChecks(TrainConfig(grad_flow_every=0), d, torch.device("meta"), tmp_path, healthy(),
-                           lambda e: None, lambda s: None)
+    checks = RuntimeChecks(ChecksSection.default(grad_flow_every=0), RunContext(d, torch.device("meta"), tmp_path),
+                           healthy())
     assert checks.judge(step(1)) is True
     assert d.devices == [torch.device("meta")]

@@ -15,8 +15,8 @@ from fixtures_gates import BATCH, SEQ, SMALL
 from safetensors import safe_open
 from torch._dynamo.utils import counters
 
-from training import checkpoint as ckpt
-from training.gates.model import TOLERANCE
+from training.checkpoint import checkpoint_io as ckpt
+from training.gates.model_gates import TOLERANCE
 
 pytestmark = pytest.mark.slow
 STEPS = 6

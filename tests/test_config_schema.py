@@ -1,5 +1,5 @@
 """The training configuration schema: every flag, --set value, --config key and preset passes through
-one schema (training.config.TrainConfig + training.model.ModelConfig, typed by training.schema).
+one schema (training.train_config.TrainConfig + training.model.decoder.ModelConfig, typed by training.runfiles.schema).
 
 Bad input, run in-process through `training.train.main(argv)` (and a few through training/sft.py):
 exit 2, exactly one `error:` line that names the flag, key or file and the value, no traceback, and
@@ -19,12 +19,12 @@ import preloaded
 import pytest
 from conftest import REPO
 
-from training import config as C
 from training import sft
 from training import train as T
-from training.cli import ArgumentParser, run_main
-from training.model import PRESETS, ModelConfig, preset, preset_names, preset_tables
-from training.schema import PositiveInt, SchemaError, flag
+from training import train_config as C
+from training.model.decoder import PRESETS, ModelConfig, preset, preset_names, preset_tables
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.schema import PositiveInt, SchemaError, flag
 
 BASE = ["--preset", "tiny", "--max-steps", "2", "--device", "cpu", "--batch-size", "2", "--seq-len", "32"]
 

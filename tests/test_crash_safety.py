@@ -29,8 +29,8 @@ import pytest
 from fixtures_reliability import REPO, child_env, run_cli, train_argv, tree_digest
 from safetensors.torch import load_file
 
-from training import checkpoint as ckpt
-from training import layout
+from training.checkpoint import checkpoint_io as ckpt
+from training.runfiles import layout
 
 SEED = 20240607
 STEPS = 40

@@ -11,10 +11,10 @@ import matplotlib.image
 import pytest
 from conftest import CORPUS
 
-from training import layout
-from training.curves import COLUMNS, DPI, PANEL_H, PANEL_W, PANELS, TICKS, draw_curves, read_series
-from training.metrics import StepLog
-from training.records import RecordError, read_log
+from training.runfiles import layout
+from training.runfiles.json_records import RecordError, read_log
+from training.telemetry.curves import COLUMNS, DPI, PANEL_H, PANEL_W, PANELS, TICKS, draw_curves, read_series
+from training.telemetry.step_metrics import StepLog
 
 
 def step(i: int, **extra) -> dict:
@@ -78,7 +78,7 @@ def test_nothing_to_plot_and_a_torn_line(tmp_path: Path) -> None:
 
 
 def test_one_log_reader_one_torn_line_policy(tmp_path: Path, capsys) -> None:
-    """log.jsonl has one reader (training.records.read_log) for the curves, --plan's measured speed and
+    """log.jsonl has one reader (training.runfiles.json_records.read_log) for the curves, --plan's measured speed and
     resume's truncation: a last line without its newline (a kill mid-write, here cut inside a Bangla
     character) is no record and no error; a damaged complete line is an error naming file:line, and
     each reader keeps what precedes it."""
@@ -139,7 +139,7 @@ def test_drawing_stays_cheap_by_construction(tmp_path: Path, monkeypatch: pytest
     import matplotlib.text
 
     draws: list[Path] = []
-    monkeypatch.setattr("training.curves.draw_curves", lambda run: draws.append(run))
+    monkeypatch.setattr("training.telemetry.curves.draw_curves", lambda run: draws.append(run))
     log = StepLog(tmp_path / layout.LOG)
     for rec in log_of(2000).splitlines():
         log.write(json.loads(rec))
@@ -173,10 +173,10 @@ def tiny_checkpoint(run: Path) -> None:
     tiny model, saved as a checkpoint (what `python -m export` reads)."""
     import torch
 
-    from training import checkpoint as ckpt
-    from training.model import Transformer, preset
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
+    from training.checkpoint import checkpoint_io as ckpt
+    from training.model.decoder import Transformer, preset
+    from training.text.normalization import normalize
+    from training.text.tokenizer import train_tokenizer
 
     lines = [normalize(x) for f in sorted(CORPUS.glob("*.txt")) for x in f.read_text(encoding="utf-8").splitlines()]
     tok = train_tokenizer([x for x in lines if x.strip()][:400], vocab_size=400, num_threads=1)
@@ -187,8 +187,8 @@ def tiny_checkpoint(run: Path) -> None:
 
 
 def test_the_model_card_embeds_the_curves(tmp_path: Path) -> None:
-    from export.card import write_card
     from export.manifest import Manifest, load_source
+    from export.model_card import write_card
 
     run, out = tmp_path / "run", tmp_path / "run" / layout.EXPORT
     tiny_checkpoint(run)

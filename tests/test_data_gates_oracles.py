@@ -1,4 +1,4 @@
-"""training/gates/data.py on hand-built token streams and loaders (a few dozen tokens, no prepared data):
+"""training/gates/data_gates.py on hand-built token streams and loaders (a few dozen tokens, no prepared data):
 the largest id against the vocabulary (an id equal to the vocabulary size is out), repeated windows
 by position, validation windows sharing a span with training, the hash and chunking arithmetic.
 Expectations are written from the gates' definitions, never read back from the code."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import training.gates.data as D
+import training.gates.data_gates as D
 
 
 class Loader:
@@ -254,7 +254,7 @@ def tok_ctx(report: dict | None, val: object = None, train: Loader | None = None
 
 @pytest.fixture
 def fert(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    """Stand-ins for training.fertility: record what reaches the measurement and the gates."""
+    """Stand-ins for training.text.fertility: record what reaches the measurement and the gates."""
     calls: list[tuple] = []
 
     def gates(report: dict, **kw: object) -> list:

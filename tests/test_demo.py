@@ -25,7 +25,7 @@ from demo.app import (
 from demo.models import QUICKSTART_CHAT, QUICKSTART_RUN, quickstart_gguf_dir
 from serving import load
 from serving.backend import SamplingParams
-from training.text import script_counts
+from training.text.normalization import script_counts
 
 LOCK_PROBE_S = 10
 
@@ -92,7 +92,7 @@ def test_discovers_checkpoint_and_exports(demo, serve_gguf, serve_run):  # noqa:
     _, entries = demo
     kinds = [e.backend for e in entries]
     assert kinds[0] == "torch" and "llama.cpp" in kinds
-    # from a file under RUN/export/gguf the run is found (training.layout.run_dir_of): its checkpoint too
+    # from a file under RUN/export/gguf the run is found (training.runfiles.layout.run_dir_of): its checkpoint too
     from_gguf = discover_models(serve_gguf)
     assert from_gguf[0].path == serve_gguf
     assert [e.path.resolve() for e in from_gguf if e.backend == "torch"] == [serve_run.resolve()]
@@ -114,7 +114,7 @@ def test_llamacpp_reply_is_streamed_bangla(demo, serve_gguf):  # noqa: F811
         threading.Thread(target=lambda: (b.detokenize([first]), done.set()), daemon=True).start()
         if not done.wait(LOCK_PROBE_S):
             pytest.fail("LlamaCppBackend.detokenize blocks while a generate() stream is open "
-                        "(it takes the lock generate holds); serving/llamacpp.py must not lock detokenize")
+                        "(it takes the lock generate holds); serving/backends/llamacpp_backend.py must not lock detokenize")
     gen.close()
     b.close()
     url, entries = demo
@@ -202,15 +202,15 @@ def test_model_card_reads_the_run(serve_run, serve_gguf, tmp_path):  # noqa: F81
     gates.json, eval.json (a real `python -m training.evaluate`), parity.json (a real parity run)."""
     import shutil
 
-    from demo.card import NOT_MEASURED, model_card
     from demo.models import entry_for
+    from demo.run_card import NOT_MEASURED, model_card
     from export.manifest import load_source
-    from export.parity import run_parity
-    from training import layout
-    from training.checkpoint import latest
-    from training.evaluate.cli import main as evaluate_main
+    from export.parity.native_parity import run_parity
+    from training.checkpoint.checkpoint_io import latest
+    from training.evaluate.evaluate_cli import main as evaluate_main
     from training.gates import GateReport
-    from training.model import ModelConfig, count_params
+    from training.model.decoder import ModelConfig, count_params
+    from training.runfiles import layout
 
     run = tmp_path / "run"  # a copy: this test writes eval and parity results into it
     shutil.copytree(serve_run, run, ignore=shutil.ignore_patterns("parity.*", "eval"))
@@ -269,8 +269,8 @@ def test_a_foreign_gguf_in_the_demo(foreign_ggufs):  # noqa: F811
     """A GGUF prodip did not write: its card says foreign (no prodip checks claimed), and the tokenizer
     tab shows its own tokenizer's pieces."""
     from demo.app import ModelPool, card_markdown, make_tokenize
-    from demo.card import model_card
-    from training.text import normalize
+    from demo.run_card import model_card
+    from training.text.normalization import normalize
 
     entries = discover_models(foreign_ggufs.qwen2)
     pool = ModelPool(entries, threads=1)
@@ -349,8 +349,8 @@ def test_first_divergence_rules():
 
 # --------------------------------------------------------------------------------------------- tokenizer
 def test_tokenizer_tab_over_http(demo, serve_run):  # noqa: F811
-    from training.text import normalize
-    from training.tokenizer import Tokenizer
+    from training.text.normalization import normalize
+    from training.text.tokenizer import Tokenizer
 
     url, entries = demo
     text = "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি। Hello! 😀"  # the emoji goes through byte fallback
@@ -444,7 +444,7 @@ def test_default_is_the_smallest_on_device_file_that_passed_parity(serve_run, tm
     import json
     import shutil
 
-    from training import layout
+    from training.runfiles import layout
 
     run = tmp_path / "run"
     shutil.copytree(serve_run, run, ignore=shutil.ignore_patterns("export"))
@@ -468,8 +468,8 @@ def test_a_base_model_completes_text_and_says_so(tiny_run, serve_run):  # noqa: 
     """tiny_run is pretrained only (run.json kind "pretrain"): the demo continues the text instead of wrapping it
     in a chat template the model never saw, says so, and the card says which kind of model it is."""
     from demo.app import BASE_NOTICE, ModelPool, make_respond
-    from demo.card import MODEL_TYPE, model_card
     from demo.models import entry_for
+    from demo.run_card import MODEL_TYPE, model_card
     from serving.chat_session import completion_stream
 
     base, chat = entry_for(tiny_run), entry_for(serve_run)

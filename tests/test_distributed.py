@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import REPO, run_train
 
-from training import checkpoint as ckpt
-from training import layout
-from training.data import TokenStream, WindowLoader
+from training.checkpoint import checkpoint_io as ckpt
+from training.data.loaders import TokenStream, WindowLoader
+from training.runfiles import layout
 
 STEPS = 8
 COMMON = ["--preset", "tiny", "--seq-len", "64", "--max-steps", str(STEPS), "--eval-every", "4", "--save-every", "100",
@@ -120,7 +120,7 @@ def test_compiled_blocks_survive_wrapping(bn_data: Path, single: Path, tmp_path:
     graph, compiles one graph (all blocks share it), and compiles nothing once training started (the two
     validations run the eager code); the losses follow the eager single process within the compile gate's
     fp32 tolerance."""
-    from training.gates.model import TOLERANCE
+    from training.gates.model_gates import TOLERANCE
 
     out = tmp_path / mode
     fsdp = ["--fsdp"] if mode == "fsdp" else []
@@ -341,7 +341,7 @@ def test_fsdp2_in_bf16_gathers_bf16_and_passes_the_gates(bn_data: Path, tmp_path
     fp32 gradient reduction); the trained object then differs from the fp32-weight reference by bf16
     rounding, which compiled_vs_eager's measured bf16 tolerance must accept, and the overfit gate
     steps the sharded model itself (no unsharded copy)."""
-    from training.gates.model import TOLERANCE
+    from training.gates.model_gates import TOLERANCE
 
     out = tmp_path / "bf16"
     p = train_dist(*COMMON, "--data", str(bn_data), "--out", str(out), "--batch-size", "4", "--fsdp", "--dtype",

@@ -305,3 +305,26 @@ def test_package_data_globs_match_files():
                  if p.is_file() and p.suffix not in (".py", ".pyc") and p not in shipped
                  and "node_modules" not in p.relative_to(REPO).parts]
     assert not unshipped, f"data files no pyproject.toml package-data glob ships: {unshipped}"
+
+
+README_MAX_LINES = 200  # issue 43 item 5: the README is a user's page; measurements live in docs/benchmarks.md
+
+
+def test_readme_is_a_short_page():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert 20 <= len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+
+
+def test_readme_layout_names_every_package_folder():
+    """The layout section is the living map of the rooms: every package folder of the four stages is on it, and
+    every folder it names exists (a room added, moved or removed without updating it fails here)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    layout = text[text.index("## Repository layout"):]
+    block = layout[layout.index("```") + 3:]
+    block = block[:block.index("```")]
+    named = {m.group(1).rstrip("/") for m in re.finditer(r"^((?:[a-z_]+/)+)(?:\*\.py)?\s", block, flags=re.M)}
+    packages = {p.parent.relative_to(REPO).as_posix() for pkg in PACKAGES for p in (REPO / pkg).rglob("__init__.py")
+                if "node_modules" not in p.parts}
+    assert len(packages) >= 10, packages  # the four stages and their rooms: fewer means the walk broke
+    assert not packages - named, f"package folders missing from README's layout: {sorted(packages - named)}"
+    assert not [n for n in named if not (REPO / n).is_dir()], f"README's layout names missing folders: {named}"

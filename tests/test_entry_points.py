@@ -43,7 +43,7 @@ def test_the_console_script_starts_the_documented_programs_main(name: str) -> No
         source = path.read_text(encoding="utf-8")
         assert f"def {attr}(" in source or f"import {attr}" in source, (name, path)
         documented = target if f"def {attr}(" in source else None
-        if documented is None:  # `from training.prepare.cli import main` in __main__.py
+        if documented is None:  # `from training.prepare.prepare_cli import main` in __main__.py
             line = next(s for s in source.splitlines() if s.startswith("from ") and s.endswith(f"import {attr}"))
             documented = getattr(importlib.import_module(line.split()[1]), attr)
     assert target is documented, (name, SCRIPTS[name], form)

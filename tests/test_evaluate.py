@@ -22,9 +22,9 @@ from conftest import REPO, shared_path
 from fixtures_evaluate import EVAL_ASSETS, HELDOUT, MC_BN, MC_EN, TrainedRun, corpus_lines, heldout_lines
 
 from training import evaluate as ev
-from training.gates.result import GateResult
-from training.model import ModelConfig
-from training.text import normalize
+from training.model.decoder import ModelConfig
+from training.runfiles.gate_results import GateResult
+from training.text.normalization import normalize
 
 # the fixtures (re-exported so pytest finds them here)
 corpus_tokenizer, trained, run_copy, one_thread = fx.corpus_tokenizer, fx.trained, fx.run_copy, fx.one_thread
@@ -107,7 +107,7 @@ def test_bits_per_byte_equals_hand_computation_with_torch(corpus_tokenizer):
     with torch.no_grad():
         lp = F.log_softmax(model(torch.tensor([ids]))[0].double(), -1)
     nll = -sum(float(lp[i - 1, ids[i]]) for i in range(1, len(ids)))  # first token after <s> included
-    stats = ev.evaluate_lm(ev.TorchProvider(model, corpus_tokenizer), [("other", doc)], progress=False)[ev.ALL]
+    stats = ev.evaluate_lm(ev.RunnerScorer(ev.TransformerRunner(model, corpus_tokenizer)), [("other", doc)], progress=False)[ev.ALL]
     assert stats.tokens == len(ids) - 1
     assert stats.bytes == len(doc.encode("utf-8"))
     assert stats.bits_per_byte == pytest.approx(nll / math.log(2) / len(doc.encode("utf-8")), rel=1e-5)
@@ -131,7 +131,7 @@ def test_long_document_windowed_and_batching_is_invisible(corpus_tokenizer):
     cfg = ModelConfig(vocab_size=corpus_tokenizer.vocab_size, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
                       ffn_dim=128, max_seq_len=32)
     model = ev.make_twin(cfg, seed=5)
-    provider = ev.TorchProvider(model, corpus_tokenizer)
+    provider = ev.RunnerScorer(ev.TransformerRunner(model, corpus_tokenizer))
     doc = " ".join(corpus_lines()[:6])
     ids = [corpus_tokenizer.bos_id, *corpus_tokenizer.encode(doc)]
     assert len(ids) > 3 * cfg.max_seq_len
@@ -142,6 +142,58 @@ def test_long_document_windowed_and_batching_is_invisible(corpus_tokenizer):
     batched = provider.token_logprobs_batch(seqs)
     for s, b in zip(seqs, batched):
         np.testing.assert_allclose(b, provider.token_logprobs(s), atol=1e-5)
+
+
+class TableRunner:
+    """A hand-checkable Runner with no logits_batch: every position's logits are [0, ln 2, ln 5], so
+    p = [1/8, 2/8, 5/8] whatever came before."""
+
+    name, n_ctx, eos_ids = "table", 8, (2,)
+
+    def tokenize(self, text, *, bos=True, allow_special=False):
+        return [0] if bos else []
+
+    def detokenize(self, ids):
+        return ""
+
+    def logits(self, ids):
+        return np.tile(np.log([1.0, 2.0, 5.0], dtype=np.float32), (len(ids), 1))
+
+    def logits_incremental(self, ids, prefix=0):
+        return self.logits(ids)
+
+
+def test_runner_scorer_gives_log_probs_of_any_runner():
+    """The one adapter: a Runner's logits -> log p(ids[i] | ids[:i]) (float64 log-softmax), by hand;
+    a runner without logits_batch is scored one sequence per call; a serving Backend is a Runner."""
+    from serving.backend import Backend
+    from serving.backends.torch_backend import TorchBackend
+    from training.model.runner import Runner, RunnerError
+
+    runner = TableRunner()
+    assert isinstance(runner, Runner) and not isinstance(runner, Backend)  # no generate/close: not served
+    scorer = ev.RunnerScorer(runner)
+    assert (scorer.bos_id, scorer.max_batch_tokens) == (0, 0)
+    lp = scorer.token_logprobs([0, 2, 1, 0])
+    np.testing.assert_allclose(lp, np.log([5 / 8, 2 / 8, 1 / 8]), rtol=1e-7)  # the logits are fp32 ln 2, ln 5: measured 2.3e-8
+    assert [len(x) for x in scorer.token_logprobs_batch([[0, 1], [0, 1, 2]])] == [1, 2]
+    with pytest.raises(ev.EvalError, match="lengths"):
+        scorer.token_logprobs([0] * 9)  # n_ctx is 8
+    assert issubclass(TorchBackend, ev.TransformerRunner)  # one PyTorch runner, served and scored
+    with pytest.raises(RunnerError, match="empty"):
+        ev.TransformerRunner(ev.make_twin(ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1,
+                                                      n_kv_heads=1, ffn_dim=8, max_seq_len=4)),
+                             SimpleTokenizer()).logits([])
+
+
+class SimpleTokenizer:
+    bos_id, eos_id, im_end_id = 1, 2, 3
+
+    def encode(self, text, *, bos=False, allow_special=False):
+        return [1] if bos else []
+
+    def decode(self, ids):
+        return ""
 
 
 # --- multiple choice ------------------------------------------------------------------------------
@@ -289,7 +341,7 @@ def test_trained_model_picks_bangla_over_gibberish(trained):
         wrong = ["zq xv kwj pfh qqz zx", "7@#9 ~~ ^^ 0x1F 0x2A", "QWRTY PLMKN ZXCVB"][: 1 + k]
         choices = wrong[:k] + [cont] + wrong[k:]
         items.append(ev.MCItem([ctx] * len(choices), [ev.join_choice(ctx, c) for c in choices], gold=k))
-    provider = ev.TorchProvider(trained.model, trained.tokenizer)
+    provider = ev.RunnerScorer(ev.TransformerRunner(trained.model, trained.tokenizer))
     scores = ev.score_mc(provider, items, progress=False)
     for kind in ev.SCORE_KINDS:
         assert scores.predictions(kind) == [0, 1, 2], kind
@@ -298,8 +350,8 @@ def test_trained_model_picks_bangla_over_gibberish(trained):
 
 def test_lm_metrics_trained_vs_twin(trained):
     docs = ev.read_text_docs([HELDOUT])
-    m = ev.evaluate_lm(ev.TorchProvider(trained.model, trained.tokenizer), docs, progress=False)
-    t = ev.evaluate_lm(ev.TorchProvider(ev.make_twin(trained.cfg), trained.tokenizer), docs, progress=False)
+    m = ev.evaluate_lm(ev.RunnerScorer(ev.TransformerRunner(trained.model, trained.tokenizer)), docs, progress=False)
+    t = ev.evaluate_lm(ev.RunnerScorer(ev.TransformerRunner(ev.make_twin(trained.cfg), trained.tokenizer)), docs, progress=False)
     assert set(m) == {"bn", "en", ev.ALL}
     assert m[ev.ALL].bytes == t[ev.ALL].bytes == len(normalize(HELDOUT.read_text("utf-8")).encode("utf-8"))
     assert m["bn"].bytes + m["en"].bytes == m[ev.ALL].bytes
@@ -312,7 +364,7 @@ def test_lm_metrics_trained_vs_twin(trained):
 
 def test_greedy_equals_argmax_without_cache_and_stops_at_end_of_turn(trained):
     """The KV-cache greedy loop picks, at every step, the argmax of a full forward pass over the prefix."""
-    provider = ev.TorchProvider(trained.model, trained.tokenizer)
+    provider = ev.RunnerScorer(ev.TransformerRunner(trained.model, trained.tokenizer))
     ids = provider.prompt_ids("আজকের আবহাওয়া কেমন?", chat=False)
     assert ids[0] == trained.tokenizer.bos_id
     out = provider.greedy(ids, 24)
@@ -329,9 +381,9 @@ def test_greedy_equals_argmax_without_cache_and_stops_at_end_of_turn(trained):
 
 
 def test_generate_wellformed_scores_the_answers(trained):
-    from training.wellformed import wellformed
+    from training.text.wellformed import wellformed
 
-    provider = ev.TorchProvider(trained.model, trained.tokenizer)
+    provider = ev.RunnerScorer(ev.TransformerRunner(trained.model, trained.tokenizer))
     prompts = ev.read_prompts(ev.PROMPTS)[:3]
     r = ev.generate_wellformed(provider, prompts, max_new_tokens=16, chat=False)
     answers = [provider.decode(provider.greedy(provider.prompt_ids(p, chat=False), 16)) for p in prompts]
@@ -401,7 +453,7 @@ def test_cli_writes_reports_and_model_card(trained, run_copy, capsys):
 
 def test_cli_gate_fails_for_an_untrained_checkpoint(trained, tmp_path):
     """--fail-on-gate exits 1 when the checkpoint is no better than its twin (here: the twin itself)."""
-    from training.checkpoint import save, weights_for_save
+    from training.checkpoint.checkpoint_io import save, weights_for_save
 
     twin = ev.make_twin(trained.cfg, seed=0)
     run = tmp_path / "untrained"
@@ -423,7 +475,7 @@ def test_cli_errors_are_one_line(trained, tmp_path, capsys):
         assert ev.main([*args, "--out", str(tmp_path / "o")]) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    # numbers are range-checked while parsing (training.schema types): one error line naming the flag
+    # numbers are range-checked while parsing (training.runfiles.schema types): one error line naming the flag
     for flag, value in (("--limit", "0"), ("--margin", "-1"), ("--twin-seed", str(10**30)), ("--gen-tokens", "-1"),
                         ("--max-doc-chars", "0"), ("--stride", "nan"), ("--step", "1e3"), ("--device", "gpu")):
         assert ev.main([run, "--text", str(HELDOUT), flag, value, "--out", str(tmp_path / "o")]) == 2, flag
@@ -457,16 +509,17 @@ def _backend_or_skip(kind: str, path: Path):
         pytest.skip(f"serving backend {kind} not available yet: {e}")
 
 
-def test_backend_provider_matches_torch_provider(trained):
-    """The torch serving backend, wrapped as a provider, scores like TorchProvider (same logits)."""
-    from export.evaluate import BackendProvider
-
+def test_served_backend_scores_like_the_in_process_runner(trained):
+    """The torch serving backend is the base's TransformerRunner opened from the run folder: scored
+    through the one adapter, RunnerScorer, it gives the in-process runner's numbers (same weights, same
+    float64 log-softmax path; measured equal to the last bit here)."""
     backend = _backend_or_skip("torch", trained.run_dir)
     try:
-        bp = BackendProvider(backend, name="served")
+        bp = ev.RunnerScorer(backend, name="served")
         docs = ev.split_documents("\n".join(heldout_lines()[:10]))
         a = ev.evaluate_lm(bp, docs, progress=False)[ev.ALL]
-        b = ev.evaluate_lm(ev.TorchProvider(trained.model, trained.tokenizer), docs, progress=False)[ev.ALL]
+        b = ev.evaluate_lm(ev.RunnerScorer(ev.TransformerRunner(trained.model, trained.tokenizer)), docs,
+                           progress=False)[ev.ALL]
         assert a.tokens == b.tokens and a.bits_per_byte == pytest.approx(b.bits_per_byte, rel=1e-4)
     finally:
         backend.close()
@@ -475,10 +528,10 @@ def test_backend_provider_matches_torch_provider(trained):
 def _exported(run: TrainedRun, kind: str, tmp: Path) -> Path:
     """Export the tiny run with the export stage's own writers (fp32 ONNX, F16 GGUF)."""
     if kind == "onnx":
-        from export.onnx import export_onnx
+        from export.onnx.onnx_export import export_onnx
 
         return next(p for p in export_onnx(run.run_dir, tmp / "onnx") if p.suffix == ".onnx")
-    from export.gguf import write_gguf
+    from export.gguf.gguf_export import write_gguf
     from export.manifest import load_source
 
     return write_gguf(load_source(run.run_dir), tmp / "gguf" / "tiny-F16.gguf", "F16")

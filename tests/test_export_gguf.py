@@ -9,16 +9,16 @@ import preloaded
 import pytest
 import torch
 
-from export.gguf import inspect_gguf, write_gguf
+from export.gguf.gguf_export import inspect_gguf, write_gguf
+from export.gguf.modelfile import render as render_modelfile
 from export.manifest import Manifest, load_source
-from export.modelfile import render as render_modelfile
-from export.parity import PROMPTS
+from export.parity.native_parity import PROMPTS
 from serving.backend import SamplingParams, ServingError
-from serving.llamacpp import LlamaCppBackend
-from serving.torch_backend import TorchBackend
-from training import checkpoint
-from training.chat import CHAT_TEMPLATE, OLLAMA_TEMPLATE
-from training.model import Transformer, preset
+from serving.backends.llamacpp_backend import LlamaCppBackend
+from serving.backends.torch_backend import TorchBackend
+from training.checkpoint import checkpoint_io as checkpoint
+from training.model.decoder import Transformer, preset
+from training.text.chat_template import CHAT_TEMPLATE, OLLAMA_TEMPLATE
 
 FP32_TOL = 1e-4
 GREEDY_TOKENS = 24
@@ -75,7 +75,7 @@ def test_q4_k_m_is_really_q4_k_m(exported):  # noqa: F811
 
 def test_k_quant_fallback_is_detected_and_reported(trained_run, tmp_path):  # noqa: F811
     """d_model 128 is not a multiple of 256: llama.cpp silently stores those tensors in another type."""
-    from export.gguf import export_gguf
+    from export.gguf.gguf_export import export_gguf
 
     tok = checkpoint.load(trained_run).tokenizer
     cfg = preset("tiny", vocab_size=tok.vocab_size, d_model=128, n_heads=2, n_kv_heads=1, ffn_dim=512, n_layers=1)
@@ -168,8 +168,8 @@ def test_modelfile():
 
 def test_untied_head_exports_to_gguf_and_hf(trained_run, tmp_path):  # noqa: F811
     """A model with its own output head: output.weight / lm_head.weight are written and used."""
-    from export.gguf import export_gguf
-    from export.hf import export_hf
+    from export.gguf.gguf_export import export_gguf
+    from export.hf.hf_export import export_hf
 
     tok = checkpoint.load(trained_run).tokenizer
     cfg = preset("tiny", vocab_size=tok.vocab_size, n_layers=1, tie_embeddings=False)

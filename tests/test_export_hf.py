@@ -12,7 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from export.__main__ import main
-from export.names import (
+from export.parity.native_parity import PROMPTS
+from training.checkpoint import checkpoint_io as checkpoint
+from training.model.decoder import preset
+from training.model.gguf_names import (
     TENSORS,
     expected_names,
     from_gguf,
@@ -22,11 +25,8 @@ from export.names import (
     to_hf,
     unpermute_rope,
 )
-from export.parity import PROMPTS
-from training import checkpoint
-from training.chat import render
-from training.model import preset
-from training.text import normalize
+from training.text.chat_template import render
+from training.text.normalization import normalize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FP32_TOL = 1e-4
@@ -72,8 +72,8 @@ def test_export_ships_tokenizer_json(trained_run, exported):  # noqa: F811
     loaded as written, and the manifest covers it."""
     from transformers import AutoTokenizer
 
-    from export.hf import FILES
-    from export.hf_tokenizer import build
+    from export.hf.hf_export import FILES
+    from export.hf.hf_tokenizer import build
 
     hf_dir = exported / "hf"
     assert sorted(p.name for p in hf_dir.iterdir()) == sorted(FILES)
@@ -138,7 +138,7 @@ def test_llama_cpp_converter_on_our_hf_export_tokenizes_as_trained(trained_run, 
     from fixtures_export import shipped_texts
     from fixtures_foreign_gguf import SDIST_DIR, convert, extract_converter, llama_sdist
 
-    from serving.llamacpp import LlamaCppBackend
+    from serving.backends.llamacpp_backend import LlamaCppBackend
 
     sdist = llama_sdist()
     assert sdist is not None, f"no llama-cpp-python sdist in {SDIST_DIR}: run `bash scripts/setup.sh --dev --llama-tools`"

@@ -1,4 +1,4 @@
-"""export.onnx: the decoder graph (fp32, int8, int4) against PyTorch, on a tiny model trained for real."""
+"""export.onnx.onnx_export: the decoder graph (fp32, int8, int4) against PyTorch, on a tiny model trained for real."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.onnx import OnnxExportError, export_onnx
-from serving.onnxrt import input_names, output_names
-from training.checkpoint import CheckpointError
+from export.onnx.onnx_export import OnnxExportError, export_onnx
+from serving.backends.onnxrt_backend import input_names, output_names
+from training.checkpoint.checkpoint_io import CheckpointError
 
 # fixtures_onnx is both a plugin (session fixtures onnx_run, onnx_export, torch_model) and a helper module;
 # registering it for assertion rewriting first lets pytest load the plugin after this import.
@@ -232,7 +232,7 @@ def test_bad_source_is_a_clear_error(tmp_path):
 def test_failure_midway_leaves_the_old_export_untouched(onnx_export, onnx_run, tmp_path, monkeypatch):
     """Every file is written into a temporary folder and moved into place at the end: an export that
     fails after writing fp32 and int8 leaves the earlier export byte-identical, and no temporary."""
-    import export.onnx as exporter
+    import export.onnx.onnx_export as exporter
 
     src, _ = onnx_export
     out = tmp_path / "onnx"
@@ -252,7 +252,7 @@ def test_failure_midway_leaves_the_old_export_untouched(onnx_export, onnx_run, t
 def test_quantized_weights_are_streamed_one_tensor_at_a_time(onnx_run, tmp_path, monkeypatch):
     """The quantizers see one checkpoint tensor at a time, never the model: the largest array any of
     them is handed is the largest single weight (the embedding), and the fp32 ModelProto is never loaded."""
-    import export.onnx as exporter
+    import export.onnx.onnx_export as exporter
     from export.manifest import load_source
 
     src = load_source(onnx_run)

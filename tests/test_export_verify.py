@@ -14,14 +14,14 @@ from fixtures_reliability import call_main, one_error
 
 from serving.backend import ServingError
 from serving.export_files import Manifest, check_before_load, files_read_by
-from training import layout
+from training.runfiles import layout
 
 
 @pytest.fixture(scope="module")
 def exported_run(rel_run, tmp_path_factory) -> Path:
     """A copy of the 4-step run exported to HF and an F32 GGUF, both recorded in its export's manifest.json."""
-    from export.gguf import export_gguf
-    from export.hf import export_hf
+    from export.gguf.gguf_export import export_gguf
+    from export.hf.hf_export import export_hf
     from export.manifest import Manifest as Written
     from export.manifest import load_source
 
@@ -121,11 +121,11 @@ def test_a_manifest_that_compares_nothing_or_points_outside_is_refused(run, tmp_
 def test_serving_refuses_a_changed_export_file_before_loading_it(run, capsys, monkeypatch):
     """`python -m serving RUN/export/gguf/x.gguf` with one byte changed: one error naming the file, and
     the runtime never opened it (llama.cpp loads such a file and answers with the damaged weights)."""
-    import serving.llamacpp
+    import serving.backends.llamacpp_backend
 
     opened = []
-    real = serving.llamacpp.LlamaCppBackend
-    monkeypatch.setattr(serving.llamacpp, "LlamaCppBackend", lambda *a, **k: opened.append(a) or real(*a, **k))
+    real = serving.backends.llamacpp_backend.LlamaCppBackend
+    monkeypatch.setattr(serving.backends.llamacpp_backend, "LlamaCppBackend", lambda *a, **k: opened.append(a) or real(*a, **k))
     gguf = run / layout.EXPORT / gguf_of(run)
     rc, out, err = call_main("serving.__main__", [gguf, "--prompt", "আমি", "--max-tokens", "2", "--threads", "1"], capsys)
     assert rc == 0 and opened == [(gguf,)], err  # the untouched file is checked and served

@@ -1,4 +1,4 @@
-"""training/fertility.py on hand-built counts: the fertility and balance gates' arithmetic and verdicts,
+"""training/text/fertility.py on hand-built counts: the fertility and balance gates' arithmetic and verdicts,
 from the requirement (docs/tokenizer.md): Bangla must reach 2.0 characters/token and 0.6 x English's
 fertility; each language's token share / character share must lie in [0.8, 1.25]. The expected numbers
 are the module docstring's worked cases (byte-level BPE: Bangla 1.4, English 3.9), computed by hand.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-import training.fertility as F
+import training.text.fertility as F
 
 BN_DOC, EN_DOC = "আমার সোনার বাংলা", "the quick brown fox"
 

@@ -1,10 +1,10 @@
 """Fused projections (#27 item 6): q/k/v as one GEMM against cat([wq, wk, wv]) and gate/up as one
 against cat([w1, w3]) equal the three (two) nn.Linear calls, with the same parameters and state_dict,
 and fusion steps aside wherever something expects to see each Linear called: hooks (the PyTorch
-importance matrix, export.imatrix_torch), a replaced forward (tests/gates_plants.py's dead rows), a
-Linear subclass, and ONNX export (one MatMul per named weight, export.onnx_graph's initializer plan).
+importance matrix, export.gguf.imatrix_torch), a replaced forward (tests/gates_plants.py's dead rows), a
+Linear subclass, and ONNX export (one MatMul per named weight, export.onnx.onnx_graph's initializer plan).
 
-On CPU the fused path is off by default (training.model.FUSE_DEVICES: measured slower there,
+On CPU the fused path is off by default (training.model.decoder.FUSE_DEVICES: measured slower there,
 docs/scale.md "Fused projections"); these tests switch it on for CPU to run it."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-import training.model as M
-from training.gates.model import TOLERANCE
-from training.model import Transformer, fuse_gemms, plain_linear, preset
+import training.model.decoder as M
+from training.gates.model_gates import TOLERANCE
+from training.model.decoder import Transformer, fuse_gemms, plain_linear, preset
 
 # Relative L2 error ||fused - unfused|| / ||unfused||, fp32 on CPU. Measured (tiny preset, 2 x 150
 # tokens): logits 0.0 (each output column is the same dot product either way), gradients 5.1e-7 at
@@ -155,10 +155,10 @@ def test_anything_that_watches_a_linear_turns_fusion_off():
 
 
 def test_importance_hooks_see_every_projection_with_fusion_on(fused_on_cpu, monkeypatch):
-    """export.imatrix_torch hooks each nn.Linear; fusion would silently skip wq/wk/wv/w1/w3 (their
+    """export.gguf.imatrix_torch hooks each nn.Linear; fusion would silently skip wq/wk/wv/w1/w3 (their
     entries missing, or wrong) if it ignored the hooks. With hooks attached the model runs unfused, so
     the sums equal those of a run with fusion off, for every Linear."""
-    from export.imatrix_torch import _Importance, _pass_over
+    from export.gguf.imatrix_torch import _Importance, _pass_over
 
     model = tiny_model()
     chunks = [list(range(1, ROWS + 1))]
@@ -193,7 +193,7 @@ def test_importance_hooks_see_every_projection_with_fusion_on(fused_on_cpu, monk
 def test_the_importance_test_catches_fusion_that_ignores_hooks(fused_on_cpu, monkeypatch):
     """The defect the check above guards against, planted: fusion that looks only at the module type
     makes the importance matrix lose every fused projection, silently."""
-    from export.imatrix_torch import _Importance, _pass_over
+    from export.gguf.imatrix_torch import _Importance, _pass_over
 
     monkeypatch.setattr(M, "plain_linear", lambda m: type(m) is nn.Linear)
     model = tiny_model()
@@ -221,11 +221,11 @@ def test_dead_rows_plant_still_runs_with_fusion_on(fused_on_cpu, monkeypatch):
 
 
 def test_onnx_export_keeps_one_matmul_per_weight(fused_on_cpu, monkeypatch):
-    """export.onnx_graph traces the model (TorchScript exporter): with fusion forced on for every size,
+    """export.onnx.onnx_graph traces the model (TorchScript exporter): with fusion forced on for every size,
     the graph is the same as with fusion off: no Concat of weights, each weight transposed into its own
     MatMul and written as its own named initializer."""
     pytest.importorskip("onnx")
-    from export.onnx_graph import export_graph, plan_initializers
+    from export.onnx.onnx_graph import export_graph, plan_initializers
 
     cfg = preset("tiny", n_layers=1)
     monkeypatch.setattr(M, "FUSE_MIN_ROWS", 1)

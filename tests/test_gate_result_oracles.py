@@ -1,4 +1,4 @@
-"""training/gates/result.py on hand-built results: the verdict of a set of gates (a skipped gate never
+"""training/runfiles/gate_results.py on hand-built results: the verdict of a set of gates (a skipped gate never
 fails it, an empty set records nothing), the table, strict JSON, and the gates.json that export and
 shipping require. Expected strings are written from the format, not read back from the code."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from training import layout
-from training.gates.result import GateError, GateReport, GateResult, require_passed
+from training.runfiles import layout
+from training.runfiles.gate_results import GateError, GateReport, GateResult, require_passed
 
 
 def ok(name: str = "a") -> GateResult:

@@ -48,13 +48,20 @@ from conftest import OPT_IN, REPO
 from fixtures_gates import BATCH, SEQ, SMALL, VOCAB, make_ctx, train_cfg, variant
 from safetensors.numpy import load_file
 
-from training import gates, layout
+from training import gates
 from training.evaluate import twin_gate
-from training.gates.data import data_gates, tokenizer_gates
-from training.gates.model import compiled_vs_eager, gradient_flow, overfit_one_batch, throughput, time_steps
-from training.gates.preflight import PREFLIGHT, run_preflight
-from training.gates.result import GateReport, GateResult
+from training.gates.data_gates import data_gates, tokenizer_gates
+from training.gates.gate_registry import PREFLIGHT, run_preflight
+from training.gates.model_gates import (
+    compiled_vs_eager,
+    gradient_flow,
+    overfit_one_batch,
+    throughput,
+    time_steps,
+)
 from training.gates.runtime import RuntimeMonitor, clip_grad_norm_finite, gradient_flow_from_grads
+from training.runfiles import layout
+from training.runfiles.gate_results import GateReport, GateResult
 
 pytest_plugins = ("fixtures_gates",)  # gate_data, byte_data
 
@@ -214,7 +221,7 @@ def test_time_steps_reports_medians(gate_data, monkeypatch):
     """The exact medians of the forward and backward times after the warm-up, on a clock the model itself
     advances (each forward, and each backward as it starts, by a scripted amount): worked out by hand,
     neither the mean, nor a median that counts the warm-up, nor forward and backward swapped."""
-    import training.gates.model as gm
+    import training.gates.model_gates as gm
 
     clock = [0.0]
     forward = [9.0, 1.0, 5.0, 2.0, 8.0]  # the warm-up's, then 4 steps': sorted 1 2 5 8, median (2 + 5) / 2 = 3.5
@@ -465,9 +472,9 @@ def test_healthy_run_passes_every_gate_and_beats_its_twin(gate_data, tmp_path, c
     assert "all 11 gates passed" in out
     assert gates.require_passed(run).passed
 
-    from training.checkpoint import load_model
-    from training.data import TokenStream, WindowLoader
-    from training.model import Transformer
+    from training.checkpoint.checkpoint_io import load_model
+    from training.data.loaders import TokenStream, WindowLoader
+    from training.model.decoder import Transformer
 
     model, ck = load_model(run)
     val = WindowLoader(TokenStream(gate_data, "val"), SEQ, shuffle=False)
@@ -531,7 +538,7 @@ def test_bf16_gates_pass_a_healthy_model_and_still_fail_a_wrong_kernel(gate_data
     every one (no zero-gradient false alarm from bf16 rounding, the overfit target reached), and the
     bf16 tolerance of compiled_vs_eager still fails another activation and a gradient off by a factor
     (the tolerance is measured, docs/gates.md: a looser one lets GELU-for-SiLU through)."""
-    from training.gates.model import TOLERANCE, precision
+    from training.gates.model_gates import TOLERANCE, precision
 
     cfg = train_cfg(gate_data, dtype="bf16")
     ctx = make_ctx(gate_data, cfg=cfg)

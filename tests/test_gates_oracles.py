@@ -1,4 +1,4 @@
-"""training/gates/model.py on hand-built contexts: a tiny Transformer (or a module whose loss is scripted)
+"""training/gates/model_gates.py on hand-built contexts: a tiny Transformer (or a module whose loss is scripted)
 and a stand-in loader, no prepared data. The expectations come from the gates' requirements: a
 relative error of exactly 1 when every value is doubled, a loss that halves exactly meets a 50% drop,
 a ratio exactly at its limit passes, a frozen parameter is named. These are the fast tests the `gates`
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-import training.gates.model as M
+import training.gates.model_gates as M
 from training.gates.context import PreflightContext
-from training.model import ModelConfig, Transformer, count_params
+from training.model.decoder import ModelConfig, Transformer, count_params
 
 CFG = ModelConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=16, max_seq_len=16)
 B, T = 4, 6
@@ -185,7 +185,7 @@ def test_snapshot_and_restore_round_trip_on_the_host() -> None:
 
 
 # ------------------------------------------------------------------------------ nonreference paths
-class Custom(nn.Module):  # defined outside training.model / torch.nn: not the reference path
+class Custom(nn.Module):  # defined outside training.model.decoder / torch.nn: not the reference path
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
 

@@ -1,6 +1,6 @@
-"""ONNX Runtime GenAI opens prodip's ONNX export (export/genai.py): its tokenizer gives our
+"""ONNX Runtime GenAI opens prodip's ONNX export (export/onnx/genai.py): its tokenizer gives our
 SentencePiece ids on every shipped text, and it decodes greedily the same tokens as our ONNX Runtime
-backend (serving.onnxrt), fp32 and int4, on Bangla prompts. The model is the suite's `tiny_run`
+backend (serving.backends.onnxrt_backend), fp32 and int4, on Bangla prompts. The model is the suite's `tiny_run`
 (trained by training/train.py on the shipped corpus), exported by the real exporter. Needs the
 `onnxruntime-genai` package (a dev dependency)."""
 
@@ -13,7 +13,7 @@ import onnxruntime_genai as og  # a dev dependency: absent, this module fails, n
 import pytest
 
 from export import ExportError
-from export.genai import (
+from export.onnx.genai import (
     GENAI_CONFIG,
     GENAI_DIR,
     genai_generate_speed,
@@ -29,7 +29,7 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def onnx_dir(tiny_run, tmp_path_factory) -> Path:
     from export.manifest import load_source
-    from export.onnx import export_onnx
+    from export.onnx.onnx_export import export_onnx
 
     d = tmp_path_factory.mktemp("genai") / "onnx"
     export_onnx(tiny_run, d, int4=True)
@@ -40,7 +40,7 @@ def onnx_dir(tiny_run, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("variant", ["fp32", "int4"])
 def test_genai_greedy_tokens_equal_our_ort_backend(onnx_dir, variant):
     from serving.backend import SamplingParams
-    from serving.onnxrt import OnnxBackend
+    from serving.backends.onnxrt_backend import OnnxBackend
 
     ours = OnnxBackend(onnx_dir, variant=variant, threads=1)
     model = load_genai(onnx_dir / GENAI_DIR / variant, threads=1)
@@ -61,8 +61,8 @@ def test_genai_tokenizer_equals_ours_on_shipped_text(onnx_dir):
     is handed normalize(text), as docs/onnx.md tells apps to."""
     from test_hf_tokenizer import HARD_CASES, shipped_raw
 
-    from training.text import normalize
-    from training.tokenizer import Tokenizer
+    from training.text.normalization import normalize
+    from training.text.tokenizer import Tokenizer
 
     sp = Tokenizer.load(onnx_dir / "tokenizer.model")
     tok = og.Tokenizer(load_genai(onnx_dir / GENAI_DIR / "fp32", threads=1))
@@ -80,8 +80,8 @@ def test_genai_generate_speed_reports_its_clocks_exact_figures(onnx_dir, monkeyp
     generates, and each load, prompt pass and new token advances the clock by a set amount. Load 2 s; per
     run (the warm-up, then 2 repeats) a prompt pass and 8 tokens; reported: the best time to first token
     and the best decode rate of the repeats, never the warm-up's (the fastest here)."""
-    import export.genai as G
-    from serving.onnxrt import OnnxBackend
+    import export.onnx.genai as G
+    from serving.backends.onnxrt_backend import OnnxBackend
 
     clock = [0.0]
     prompt_s, token_s = [0.004, 0.4, 0.3], [0.001, 0.05, 0.04]  # warm-up, repeat 1, repeat 2

@@ -16,14 +16,15 @@ import torch
 from conftest import REPO
 from fixtures_gates import BATCH, SEQ, SMALL, make_ctx, train_cfg
 
-from training import checkpoint as ckpt
 from training import distributed as D
-from training import model as M
-from training.gates import model as G
+from training.checkpoint import checkpoint_io as ckpt
+from training.config_sections import StepSection
+from training.gates import model_gates as G
 from training.gates import tolerance as TOL
 from training.loop.step import TrainStep, build_views
 from training.loop.weight_cast import CastOnce
-from training.model import Transformer
+from training.model import decoder as M
+from training.model.decoder import Transformer
 
 pytest_plugins = ("fixtures_gates",)  # gate_data
 BF16 = torch.bfloat16
@@ -47,9 +48,10 @@ class Draws:
 def _train(gate_data: Path, cast_once: bool, monkeypatch, steps: int = 2, accum: int = 3):
     """`steps` optimizer steps of TrainStep (grad-accum `accum`, bf16 autocast) from one seed: per step the
     loss and the fp32 gradients before the update, then the final fp32 weights."""
-    cfg = train_cfg(gate_data, dtype="bf16", grad_accum=accum)
+    full = train_cfg(gate_data, dtype="bf16", grad_accum=accum)
+    cfg = StepSection.of(full)
     torch.manual_seed(0)
-    model = Transformer(cfg.model_config(1024))
+    model = Transformer(full.model_config(1024))
     views = build_views(model, cfg, D.Dist(), torch.device("cpu"))
     assert isinstance(views.forward_model, CastOnce)  # what a single-process bf16 run calls
     if not cast_once:

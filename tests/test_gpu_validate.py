@@ -99,7 +99,7 @@ def test_sdpa_probe_names_the_kernel_dispatch_chose() -> None:
 
 def test_sdpa_probe_without_gqa_has_one_form(monkeypatch) -> None:
     """n_kv_heads == n_heads: shared and expanded K/V are the same call, so only one form is timed."""
-    import training.model as M
+    import training.model.decoder as M
 
     real = M.preset
     monkeypatch.setattr(M, "preset", lambda name, **kw: real(name, **{**kw, "n_kv_heads": real(name).n_heads}))

@@ -1,6 +1,6 @@
 """tokenizer.json: AutoTokenizer on the HF export's tokenizer files gives exactly training's ids on raw
 text (no normalize() by the caller), on every shipped text, the hard cases, and Tatoeba (opt-in); its
-normalizer is training.text.normalize; decoding round-trips; the chat template tokenizes as ours."""
+normalizer is training.text.normalization.normalize; decoding round-trips; the chat template tokenizes as ours."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from conftest import ASSETS, ORTHOGRAPHY, TATOEBA, shared_path
 
-from export.hf import FAST_CLASS, write_tokenizer
-from export.hf_tokenizer import build, normalizer
-from training import chat
-from training.chat import render
+from export.hf.hf_export import FAST_CLASS, write_tokenizer
+from export.hf.hf_tokenizer import build, normalizer
 from training.prepare.decontam import json_strings
-from training.text import BOM, NUKTA, ZWJ, ZWNJ, normalize
-from training.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK, Tokenizer
+from training.text import chat_template as chat
+from training.text.chat_template import render
+from training.text.normalization import BOM, NUKTA, ZWJ, ZWNJ, normalize
+from training.text.tokenizer import BOS, CHAT_SPECIALS, EOS, PAD, UNK, Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MAX_LEN = 256
@@ -43,7 +43,7 @@ HARD_CASES = [
 ]
 # The alphabet of the random strings: the Bengali block, the characters normalize() touches, a few
 # scripts NFC composes (Latin + combining acute, Hangul jamo), whitespace. Without U+09FE, which only
-# HARD_CASES spell (tokenizers' NFC predates it: export.hf_tokenizer.normalizer says what differs).
+# HARD_CASES spell (tokenizers' NFC predates it: export.hf.hf_tokenizer.normalizer says what differs).
 ALPHABET = ([chr(c) for c in range(0x0980, 0x0A00) if c != 0x09FE] + [NUKTA, ZWJ, ZWNJ, BOM, "\r", "\n", "\r\n", " ", "  ", "\t"]
             + list("aeiouAZ09.,!?") + ["\u0301", "\u0308", "\u1100", "\u1161", "\u11a8", "\u00e9", "\u2581"])
 

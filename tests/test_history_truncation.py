@@ -1,4 +1,4 @@
-"""Fitting a conversation to the context (issue 42, item 3): `training.chat.truncate_history` and the
+"""Fitting a conversation to the context (issue 42, item 3): `training.text.chat_template.truncate_history` and the
 foreign-template path `serving.chat_session.prepare_foreign_chat` keep the one-by-one definition's
 result (drop the oldest non-system turn until the prompt fits; never the last message) at a cost
 linear in the conversation (n log n renders' worth for an opaque template). The definitions the new
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from serving.chat_session import PromptTooLong, prepare_foreign_chat
-from training.chat import ChatError, encode, truncate_history, validate
+from training.text.chat_template import ChatError, encode, truncate_history, validate
 
 ROLES = ("system", "user", "assistant")
 

@@ -40,9 +40,9 @@ from fixtures_reliability import (
     tree_digest,
 )
 
-from training import checkpoint as ckpt
-from training import layout
-from training.data import HEADER, HEADER_SIZE
+from training.checkpoint import checkpoint_io as ckpt
+from training.data.loaders import HEADER, HEADER_SIZE
+from training.runfiles import layout
 
 PY = sys.executable
 RUNTIME_LOG = ("llama_context:",)  # llama.cpp's own log (it pads small contexts to 256 and says so)
@@ -332,8 +332,8 @@ def _foreign_onnx(folder: Path, a: Artifacts) -> None:
     import onnx
     from onnx import TensorProto, helper
 
-    from serving import onnxrt
-    from training.tokenizer import Tokenizer
+    from serving.backends import onnxrt_backend as onnxrt
+    from training.text.tokenizer import Tokenizer
 
     folder.mkdir()
     tok = Tokenizer.load(a.run / "tokenizer.model")
@@ -484,8 +484,8 @@ CASES: list[tuple[str, Setup, str]] = [
 @pytest.fixture(scope="module")
 def artifacts(bn_data, rel_run, rel_gguf, foreign_tokenizer, tmp_path_factory) -> Artifacts:  # noqa: F811
     from training.prepare import GATE_NAMES, prepare
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
+    from training.text.normalization import normalize
+    from training.text.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("hostile-artifacts")
     lines = [normalize(x) for f in sorted((REPO / "training" / "assets" / "corpus").glob("bn_*.txt"))
@@ -720,7 +720,7 @@ def test_http_under_concurrent_clients(rel_gguf):  # noqa: F811
     import uvicorn
 
     from serving import load
-    from serving.http import ServerConfig, create_app
+    from serving.server.http_app import ServerConfig, create_app
 
     backend = load(rel_gguf, threads=1)
     guard = backend.llm = EntryGuard(backend.llm)

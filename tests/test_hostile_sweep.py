@@ -2,11 +2,11 @@
 not the code under test as its own oracle.
 
 1. Walk each CLI's real argparse parser. Every option that takes a value is classified: a path, an
-   output, a number (a `training.schema.flag(T)` over int or float), a name (choices, or checked after
+   output, a number (a `training.runfiles.schema.flag(T)` over int or float), a name (choices, or checked after
    parsing), or free text. An unclassified option fails the structure test, so a new flag cannot skip
    the sweep; a number option without a row in VALUES (below) fails it too.
 2. VALUES declares, for every number option, from what the option means (its help text and the
-   docs, never `training.schema`), the values it must refuse and the boundary values it must accept.
+   docs, never `training.runfiles.schema`), the values it must refuse and the boundary values it must accept.
    Each refusal runs in-process through the CLI's `main(argv)` and must exit != 0 with exactly one
    `error:` line naming the flag (or the value), no traceback and nothing written; each boundary
    value must parse. Loosening a range (accepting lr=0) or tightening it (refusing top-p=1) fails a
@@ -153,13 +153,13 @@ CLIS: dict[str, CLI] = {
                frozenset({"--config", "--data", "--init", "--init-from"}), TRAIN_NAMES | {"--lora-targets"}, TRAIN_FREE,
                OUT | {"--cache"},
                ("--data", "{chat}", "--init", "{run}", "--out", "{tmp}/out", *TINY, "--skip-gate", "data.truncation")),
-    "prepare": CLI("training.prepare.cli", ("--input", MISSING, "--out", MISSING + "-out"),
+    "prepare": CLI("training.prepare.prepare_cli", ("--input", MISSING, "--out", MISSING + "-out"),
                    frozenset({"--input", "--tokenizer", "--quality", "--decontaminate", "--extend-tokenizer"}),
                    frozenset({"--skip-gate", "--mix"}),
                    frozenset({"--text-field", "--balance-range", "--partition", "--time", "--ray-address"}),
                    OUT | {"--work"},
                    ("--input", "{corpus}", "--out", "{tmp}/out", "--vocab-size", "512")),
-    "evaluate": CLI("training.evaluate.cli", (MISSING,), frozenset({"--text", "--mc", "--prompts", "--base"}),
+    "evaluate": CLI("training.evaluate.evaluate_cli", (MISSING,), frozenset({"--text", "--mc", "--prompts", "--base"}),
                     frozenset({"--device", "--prompt-format"}),
                     outputs=OUT, valid=("{run}", "--out", "{tmp}/e", "--no-twin")),
     "export": CLI("export.__main__", ("gguf", MISSING), frozenset({"--imatrix", "--texts", "--model"}),
@@ -177,7 +177,7 @@ CLIS: dict[str, CLI] = {
 }
 SUBCOMMANDS: dict[str, CLI] = {
     # merge's inputs are shard folders written by `prepare --shard-index`: its --out is tested by hand
-    "prepare merge": CLI("training.prepare.cli", ("merge", MISSING, "--out", MISSING + "-out"),
+    "prepare merge": CLI("training.prepare.prepare_cli", ("merge", MISSING, "--out", MISSING + "-out"),
                          free=frozenset({"--out"}), subcommand=("merge",)),
 }
 NO_VALUE = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
@@ -316,7 +316,7 @@ def assert_one_error(o: Outcome, names: tuple[str, ...], what: str) -> None:
 def test_every_option_is_classified():
     """Each option that takes a value is a schema-typed number, a checked name, a path or free text."""
     assert not unclassified(), (
-        "options without a schema type or a classification (use training.schema.flag(T) for numbers; "
+        "options without a schema type or a classification (use training.runfiles.schema.flag(T) for numbers; "
         f"add names/paths/free text to CLIS): {unclassified()}")
 
 
@@ -523,7 +523,7 @@ FORMATS: dict[str, tuple[str, ...]] = {
 
 
 def _newest_ckpt(run: Path) -> Path:
-    from training import checkpoint as ckpt
+    from training.checkpoint import checkpoint_io as ckpt
 
     return ckpt.latest(run)
 

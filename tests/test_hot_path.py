@@ -13,12 +13,12 @@ import torch
 from fixtures_gates import BATCH, SEQ, SMALL
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from training import checkpoint as ckpt
-from training import model as M
 from training import optim
-from training.config import TrainConfig
+from training.checkpoint import checkpoint_io as ckpt
 from training.loop.step_reads import StepReads
-from training.model import Transformer, chunked_cross_entropy, preset, token_loss
+from training.model import decoder as M
+from training.model.decoder import Transformer, chunked_cross_entropy, preset, token_loss
+from training.train_config import TrainConfig
 
 pytest_plugins = ("fixtures_gates",)  # gate_data
 TIMING = ("tokens_per_s", "elapsed_s", "peak_mem_gb")  # and the mfu* keys

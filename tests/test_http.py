@@ -26,9 +26,9 @@ from fixtures_serve import (
 )
 
 from serving import load
-from serving.http import DEFAULT_HOST, ServerConfig, create_app, parse_bind
+from serving.server.http_app import DEFAULT_HOST, ServerConfig, create_app, parse_bind
 from serving.text_stream import GenerationProbe
-from training.text import script_counts
+from training.text.normalization import script_counts
 
 MAX_TOKENS_CAP = 192  # room for a long stream (context 256) that a hang-up must cut short
 MAX_BODY = 16 * 1024

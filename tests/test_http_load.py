@@ -26,7 +26,7 @@ import uvicorn
 from fixtures_serve import BN_QUESTION
 
 from serving import load
-from serving.http import ServerConfig, create_app
+from serving.server.http_app import ServerConfig, create_app
 
 WORKER_THREADS = 4  # the request worker pool of the load test's server (anyio's default is 40)
 CLIENTS = 2 * WORKER_THREADS

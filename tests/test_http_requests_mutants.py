@@ -1,4 +1,4 @@
-"""serving/http_requests.py in-process (issue #46 item 3, mutation target `http-requests`): what an
+"""serving/server/http_requests.py in-process (issue #46 item 3, mutation target `http-requests`): what an
 OpenAI-style request body may say, as the module's contract and docs/serving.md state it. The body is
 capped (413) and max_tokens is capped (400); every client mistake (invalid UTF-8 or JSON, a misspelt
 field at the top level, inside a message or inside stream_options, a field of the wrong type, a bad
@@ -18,7 +18,7 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from serving.backend import SamplingParams
-from serving.http_requests import (
+from serving.server.http_requests import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -34,7 +34,7 @@ from serving.http_requests import (
     sampling_from_body,
     stream_flag,
 )
-from serving.scheduler import DEFAULT_MAX_WAITING, DEFAULT_WAIT_S, ClientGone
+from serving.server.scheduler import DEFAULT_MAX_WAITING, DEFAULT_WAIT_S, ClientGone
 
 
 def refused(fn, *args, status: int = 400) -> str:
@@ -223,21 +223,15 @@ def test_stop_is_a_string_or_at_most_8_strings_of_at_most_64_characters():
     assert refused(sampling_from_body, {"stop": "\udc80"}, 10) == "stop is not valid UTF-8 (lone surrogate)"
 
 
-def test_params_the_backend_would_refuse_are_a_request_error():
-    # a value each field's type admits but SamplingParams.validate refuses is still one RequestError
-    from serving import http_requests
-
-    class Refusing(SamplingParams):
-        def validate(self):
-            from serving.backend import ServingError
-            raise ServingError("top_k = 3: refused")
-
-    real = http_requests.SamplingParams
-    http_requests.SamplingParams = Refusing
-    try:
-        assert refused(sampling_from_body, {}, 10) == "top_k = 3: refused"
-    finally:
-        http_requests.SamplingParams = real
+def test_params_sampling_params_refuses_are_a_request_error_naming_the_bodys_field():
+    # SamplingParams is the one check of a sampling value: whatever it refuses is one 400 naming the field
+    # as the body spelt it (max_completion_tokens, repeat_penalty), and the server's cap comes after
+    assert refused(sampling_from_body, {"max_completion_tokens": 0}, 10).startswith("max_completion_tokens = 0: ")
+    assert refused(sampling_from_body, {"repeat_penalty": 0.0}, 10).startswith("repeat_penalty = 0.0: ")
+    assert refused(sampling_from_body, {"repetition_penalty": 11.0}, 10).startswith("repetition_penalty = 11.0: ")
+    assert refused(sampling_from_body, {"max_tokens": 1 << 17}, 1 << 20).startswith(f"max_tokens = {1 << 17}: ")
+    assert refused(sampling_from_body, {"seed": -1}, 10).startswith("seed = -1: ")
+    assert refused(sampling_from_body, {"top_k": True}, 10).startswith("top_k = True: ")  # strict: no bool
 
 
 # --------------------------------------------------------------------------- messages and prompts
@@ -285,7 +279,7 @@ def test_a_prompt_is_a_string_or_a_list_of_one():
 
 # --------------------------------------------------------------------------- the adapter field (serving.lora_pairs)
 def test_the_adapter_field_names_a_served_pair_or_is_absent():
-    from serving.http_requests import adapter_from_body
+    from serving.server.http_requests import adapter_from_body
 
     known = ("bn-chat", "en-qa")
     assert adapter_from_body({}, known) is None and adapter_from_body({"adapter": None}, ()) is None

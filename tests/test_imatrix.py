@@ -22,6 +22,7 @@ import pytest
 from conftest import ASSETS, REPO
 
 from export import ExportError
+from export.gguf.llama_tools import missing_tools
 from export.imatrix import (
     DEFAULT_CALIBRATION,
     HELDOUT_TEXT,
@@ -33,8 +34,7 @@ from export.imatrix import (
     quantize_with_imatrix,
     torch_imatrix,
 )
-from export.llama_tools import missing_tools
-from training.logprobs import kl_rows
+from training.model.logprobs import kl_rows
 
 HELDOUT = HELDOUT_TEXT
 TOOLS = ("llama-imatrix", "llama-quantize")
@@ -73,7 +73,7 @@ def quants(tiny_run, tmp_path_factory) -> dict[str, Path]:
     the shipped calibration text, and Q4_K_M / Q5_K_M / Q6_K / IQ4_XS quantized with them."""
     if missing_tools(TOOLS):
         pytest.skip(needs_tools.kwargs["reason"])
-    from export.gguf import quantize_gguf, write_gguf
+    from export.gguf.gguf_export import quantize_gguf, write_gguf
     from export.manifest import load_source
 
     d = tmp_path_factory.mktemp("imatrix")
@@ -91,7 +91,7 @@ def quants(tiny_run, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_run):
-    from serving.torch_backend import TorchBackend
+    from serving.backends.torch_backend import TorchBackend
 
     ref = TorchBackend(tiny_run, threads=1)
     ids = ref.tokenize(HELDOUT.read_text(encoding="utf-8"))
@@ -99,7 +99,7 @@ def reference(tiny_run):
 
 
 def _kl_of(path: Path, reference) -> tuple[float, float]:
-    from serving.llamacpp import LlamaCppBackend
+    from serving.backends.llamacpp_backend import LlamaCppBackend
 
     ref, windows = reference
     b = LlamaCppBackend(path, threads=1)
@@ -206,11 +206,11 @@ def _other_model_gguf(run: Path, out: Path) -> Path:
     same tensor names as the tiny model's, with other widths."""
     import torch
 
-    from export.gguf import write_gguf
+    from export.gguf.gguf_export import write_gguf
     from export.manifest import load_source
-    from training import checkpoint
-    from training.model import Transformer, preset
-    from training.tokenizer import Tokenizer
+    from training.checkpoint import checkpoint_io as checkpoint
+    from training.model.decoder import Transformer, preset
+    from training.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(run / "tokenizer.model")
     cfg = preset("tiny", vocab_size=tok.vocab_size, d_model=512, n_heads=8, n_kv_heads=4, ffn_dim=1024)
@@ -312,8 +312,8 @@ def test_versus_plain_catches_a_harmful_importance_matrix(quants, tmp_path):
     """The export's check is not a formality: an importance matrix that weighs one input column of
     every weight a million times above the rest quantizes Q4_K_M worse than no matrix at all, and
     versus_plain says so; the real matrix's file stays within MAX_KL_RATIO of its plain twin."""
+    from export.gguf.imatrix_format import read_imatrix, write_imatrix
     from export.imatrix import versus_plain
-    from export.imatrix_format import read_imatrix, write_imatrix
 
     skewed = {}
     for name, (sums, counts) in read_imatrix(quants["imatrix"]).items():

@@ -40,8 +40,8 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_import_matches_transformers(work, name):
-    from training import hf_import
-    from training.model import Transformer
+    from training.model import hf_import
+    from training.model.decoder import Transformer
 
     folder, over = work[name], MODELS[name]
     imp = hf_import.open_folder(str(folder), work["tok"], str(work["data"]))
@@ -62,8 +62,8 @@ def test_import_matches_transformers(work, name):
 
 
 def test_sharded_weights_with_an_index(work, tmp_path):
-    from training import hf_import
-    from training.model import Transformer
+    from training.model import hf_import
+    from training.model.decoder import Transformer
 
     folder = save_llama(tmp_path / "sharded", work["tok"], seed=3, **MODELS["untied_mha"])
     ref = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -81,7 +81,7 @@ def test_sharded_weights_with_an_index(work, tmp_path):
 def test_continued_run_saves_a_checkpoint_that_exports_to_transformers(work):
     """docs/init_from.md's commands: train 3 steps from the HF folder, then `python -m export safetensors RUN`."""
     from export.__main__ import main as export_main
-    from training.checkpoint import load_model
+    from training.checkpoint.checkpoint_io import load_model
 
     run = work["root"] / "run"
     cmd = ("--init-from", str(work["tied_gqa"]), "--data", str(work["data"]), "--out", str(run), *TRAIN)
@@ -167,7 +167,7 @@ def test_corrupt_safetensors(work, tmp_path):
 
 
 def test_data_prepared_with_another_tokenizer(work, tmp_path):
-    from training.tokenizer import train_tokenizer
+    from training.text.tokenizer import train_tokenizer
 
     other_tok = train_tokenizer(work["lines"], 400, num_threads=1)
     other = save_llama(tmp_path / "other", other_tok)
@@ -175,7 +175,7 @@ def test_data_prepared_with_another_tokenizer(work, tmp_path):
 
 
 def test_without_transformers_the_import_says_how_to_install_it(monkeypatch):
-    from training import hf_import
+    from training.model import hf_import
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails as if not installed
     with pytest.raises(hf_import.InitFromError, match=r"pip install 'prodip\[init\]'"):
@@ -192,7 +192,7 @@ def test_a_tokenizer_without_prodips_special_tokens(work, tmp_path):
 def test_extension_keeps_every_base_id_and_adds_the_pieces(extended):
     import sentencepiece as spm
 
-    from training.tokenizer import CHAT_SPECIALS, PAD, Tokenizer
+    from training.text.tokenizer import CHAT_SPECIALS, PAD, Tokenizer
 
     base, ext = (spm.SentencePieceProcessor(model_proto=extended[k]) for k in ("base", "ext"))
     n = base.get_piece_size()
@@ -208,10 +208,10 @@ def test_extension_keeps_every_base_id_and_adds_the_pieces(extended):
 def test_extended_import_keeps_old_logits_and_initializes_new_rows_from_the_base(work, extended):
     import sentencepiece as spm
 
-    from training import hf_import
-    from training.data import read_meta
-    from training.model import Transformer
-    from training.tokenizer import Tokenizer
+    from training.data.loaders import read_meta
+    from training.model import hf_import
+    from training.model.decoder import Transformer
+    from training.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(extended["data"] / "tokenizer.model")
     assert read_meta(extended["data"])["tokenizer_sha256"] == tok.sha256
@@ -245,8 +245,8 @@ def test_prepare_extend_tokenizer_command(work, tmp_path, capsys):
     the fertility before and after; the two flags only together, and not with --tokenizer."""
     import sentencepiece as spm
 
-    from training.prepare.cli import main
-    from training.tokenizer import Tokenizer
+    from training.prepare.prepare_cli import main
+    from training.text.tokenizer import Tokenizer
 
     (tmp_path / "base.model").write_bytes(stock_tokenizer(work["lines"], 400))
     # SentencePiece's defaults: NFKC (drops ZWJ/ZWNJ) and folded whitespace, which llama.cpp would not repeat

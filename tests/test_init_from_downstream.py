@@ -54,8 +54,8 @@ def test_evaluate_judges_the_run_against_its_base(init_work, init_extended, init
     base does; held-in Bangla (new pieces): the continued model beats the extended-untrained one."""
     import sentencepiece as spm
 
-    from training.text import detect_language
-    from training.tokenizer import Tokenizer
+    from training.text.normalization import detect_language
+    from training.text.tokenizer import Tokenizer
 
     base = spm.SentencePieceProcessor(model_proto=init_extended["base"])
     n = base.get_piece_size()
@@ -91,7 +91,7 @@ def test_evaluate_judges_the_run_against_its_base(init_work, init_extended, init
 def test_a_run_on_the_bases_own_tokenizer_compares_with_the_base_alone(init_work, tmp_path):
     """Without an extension the extended-untrained model would be the base itself: only the base is scored, and
     its bits/byte is the definition's (transformers' model on the folder's tokenizer)."""
-    from training.evaluate.base import AgainstBase
+    from training.evaluate.against_base import AgainstBase
     from training.evaluate.request import build_request
 
     tok, folder = init_work["tok"], init_work["tied_gqa"]
@@ -132,8 +132,8 @@ def test_evaluate_base_flags(init_work, init_extended, init_extended_run, tmp_pa
 def test_plan_uses_the_imported_shape(init_work, init_extended, tmp_path, capsys):
     """`--plan --init-from`: the parameters are the HF model's (transformers counts them) plus the extension's
     rows, not the preset's; its max_position_embeddings bounds --seq-len; nothing is written."""
-    from training import plan as P
-    from training.model import count_params, preset
+    from training import run_plan as P
+    from training.model.decoder import count_params, preset
     from training.train import build_parser, main, resolve
 
     def argv(folder: Path, data: Path, *extra: str) -> list[str]:
@@ -196,8 +196,8 @@ def test_sft_and_serving_take_an_extended_run_as_any_other(init_extended_run, tm
     from serving import load
     from serving.backend import SamplingParams
     from serving.chat_session import chat_stream
-    from training import checkpoint as ckpt
-    from training.tokenizer import IM_END, IM_START
+    from training.checkpoint import checkpoint_io as ckpt
+    from training.text.tokenizer import IM_END, IM_START
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"প্রশ্ন {i}?"},

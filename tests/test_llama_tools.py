@@ -4,7 +4,7 @@ pinned llama-cpp-python sdist, safe CPU flags); every test skips with "opt-in:" 
 built. The model is the suite's `tiny_run` (trained by training/train.py on the shipped corpus).
 
 - llama-cli answers a Bangla chat prompt through the chat template stored in the GGUF, greedily,
-  and its reply is the one our Python path (serving.llamacpp + training.chat) gives;
+  and its reply is the one our Python path (serving.backends.llamacpp_backend + training.text.chat_template) gives;
 - llama-perplexity --kl-divergence (Q8_0, Q4_K_M against the F16 base, held-out Bangla) agrees
   with the KL our parity measurement gives (PyTorch fp32 vs llama.cpp) within KLD_FACTOR;
 - llama-server answers the official `openai` client's calls that our `python -m serving --http`
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from conftest import ASSETS, REPO, stop
 
-from export.llama_tools import TOOLS, missing_tools, tool_path
+from export.gguf.llama_tools import TOOLS, missing_tools, tool_path
 
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=(
     f"opt-in: llama.cpp tools {', '.join(missing_tools())} not built; run `bash scripts/build_llama_tools.sh` "
@@ -53,7 +53,7 @@ def _run(name: str, *args: str | Path, timeout: float = 600) -> subprocess.Compl
 
 @pytest.fixture(scope="module")
 def ggufs(tiny_run, tmp_path_factory) -> dict[str, Path]:
-    from export.gguf import quantize_gguf, write_gguf
+    from export.gguf.gguf_export import quantize_gguf, write_gguf
     from export.manifest import load_source
 
     d = tmp_path_factory.mktemp("tools")
@@ -73,10 +73,10 @@ def test_every_tool_runs():
 
 
 def _python_chat_reply(path: Path) -> str:
-    """Our Python path: serving.llamacpp with training.chat's template, greedy."""
+    """Our Python path: serving.backends.llamacpp_backend with training.text.chat_template's template, greedy."""
     from serving.backend import SamplingParams
+    from serving.backends.llamacpp_backend import LlamaCppBackend
     from serving.chat_session import chat_stream
-    from serving.llamacpp import LlamaCppBackend
 
     b = LlamaCppBackend(path, threads=1, seed=SEED)
     try:
@@ -135,9 +135,9 @@ def _kld_of_tool(base: Path, model: Path, work: Path) -> float:
 
 
 def _kl_of_ours(tiny_run: Path, model: Path) -> float:
-    from serving.llamacpp import LlamaCppBackend
-    from serving.torch_backend import TorchBackend
-    from training.logprobs import kl_rows
+    from serving.backends.llamacpp_backend import LlamaCppBackend
+    from serving.backends.torch_backend import TorchBackend
+    from training.model.logprobs import kl_rows
 
     ref = TorchBackend(tiny_run, threads=1)
     b = LlamaCppBackend(model, threads=1)

@@ -12,10 +12,11 @@ import pytest
 from conftest import REPO
 
 from export.lm_eval_tasks import TASK_DIR, TASKS
-from training.checkpoint import load_model
+from training.checkpoint.checkpoint_io import load_model
 from training.evaluate.mc import load_mc, score_mc
-from training.evaluate.providers import TorchProvider
-from training.text import normalize
+from training.evaluate.providers import RunnerScorer
+from training.model.runner import TransformerRunner
+from training.text.normalization import normalize
 
 DOC = REPO / "docs" / "export.md"
 EVAL_DIR = REPO / "training" / "assets" / "eval"
@@ -70,7 +71,7 @@ def test_documented_lm_eval_command_matches_training_evaluate(trained_run, expor
 
     results = json.loads(next(out.rglob("results_*.json")).read_text(encoding="utf-8"))["results"]
     model, ck = load_model(trained_run)
-    provider = TorchProvider(model, ck.tokenizer)
+    provider = RunnerScorer(TransformerRunner(model, ck.tokenizer))
     for name in TASKS:
         _, items = load_mc(EVAL_DIR / f"{name}.jsonl")
         ours = score_mc(provider, items, progress=False)

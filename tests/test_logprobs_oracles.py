@@ -1,4 +1,4 @@
-"""training/logprobs.py, the one KL every comparison uses (parity, evaluation, the ONNX checks), on values
+"""training/model/logprobs.py, the one KL every comparison uses (parity, evaluation, the ONNX checks), on values
 written out from the definitions: log p_i = x_i - log sum_j exp x_j; KL(p || q) = sum_i p_i log(p_i / q_i),
 in nats, per row. These are the fast tests the `logprobs` mutation target runs."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from training.logprobs import kl_rows, log_softmax
+from training.model.logprobs import kl_rows, log_softmax, token_logprobs
 
 
 def test_log_softmax_of_a_hand_example() -> None:
@@ -62,3 +62,17 @@ def test_kl_rows_per_position_of_a_batch_and_huge_logits() -> None:
     assert got[0] == pytest.approx([0.0] * 3, abs=1e-15)
     want = 0.25 * (math.log(0.25) - 0.0) + 3 * 0.25 * (math.log(0.25) + 1000.0)  # log q = (0, -1000, -1000, -1000)
     assert got[1, 2] == pytest.approx(want, rel=1e-9)
+
+
+def test_token_logprobs_picks_each_rows_target_by_hand() -> None:
+    # rows p = (1/4, 3/4) and (1/2, 1/2); exp(1000) overflows float64: only the max-shift keeps it finite
+    logits = np.array([[0.0, math.log(3.0)], [1000.0, 1000.0]], dtype=np.float32)
+    before = logits.copy()
+    got = token_logprobs(logits, [1, 0])
+    assert got.dtype == np.float64 and got.shape == (2,)
+    assert got == pytest.approx([math.log(0.75), math.log(0.5)], abs=1e-7)  # ln 3 rounded to fp32: measured 5.0e-9
+    assert (logits == before).all()  # worked on a copy
+    x = np.random.default_rng(0).standard_normal((5, 7)).astype(np.float32) * 4
+    t = np.array([0, 6, 3, 3, 1])
+    assert (token_logprobs(x, t) == log_softmax(x)[np.arange(5), t]).all()  # the same operations, bit for bit
+    assert token_logprobs(np.zeros((0, 3)), []).shape == (0,)

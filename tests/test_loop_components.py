@@ -11,17 +11,19 @@ import torch
 from fixtures_gates import SMALL, train_cfg
 
 from training import distributed as D
-from training import layout
-from training.data import pretraining_data
-from training.loop.checkpointer import Checkpointer, Live
+from training.config_sections import CheckpointSection, ChecksSection, MetricsSection, StepSection
+from training.data.loaders import Prefetcher, pretraining_data
+from training.loop.checkpointer import Checkpointer
 from training.loop.early_stopping import EarlyStopping
-from training.loop.metrics_logger import MetricsLogger
-from training.loop.ranks import TrainError, agreed
+from training.loop.rank_agreement import TrainError, agreed
 from training.loop.run_folder import RunFolder
-from training.loop.step import StepResult, TrainStep, build_views
+from training.loop.step import StepResult, TrainStep, build_views, to_device
 from training.loop.step_reads import StepReads
-from training.model import Transformer, preset
-from training.tokenizer import Tokenizer
+from training.model.decoder import Transformer, preset
+from training.run_context import RunContext
+from training.runfiles import layout
+from training.telemetry.metrics_logger import EventLog, MetricsLogger
+from training.text.tokenizer import Tokenizer
 
 pytest_plugins = ("fixtures_gates",)  # gate_data
 CPU = torch.device("cpu")
@@ -35,10 +37,10 @@ def test_run_folder_decides_ours_from_its_marker_never_from_file_names(tmp_path:
     (out / layout.LOG).write_text("my own log\n")  # a user's files named like prodip's
     (out / layout.TOKENIZER).write_bytes(b"mine")
     with pytest.raises(TrainError, match="not a prodip run folder"):
-        RunFolder(out, D.Dist(), kind="pretrain", force=False).check(MODEL_CFG)
-    RunFolder(out, D.Dist(), kind="pretrain", force=True).check(MODEL_CFG)  # --force: the user said so
-    RunFolder(tmp_path / "new", D.Dist(), kind="pretrain", force=False).check(MODEL_CFG)  # not there yet: fine
-    ours = RunFolder(tmp_path / "ours", D.Dist(), kind="pretrain", force=False)
+        RunFolder(RunContext(out=out), force=False).check(MODEL_CFG)
+    RunFolder(RunContext(out=out), force=True).check(MODEL_CFG)  # --force: the user said so
+    RunFolder(RunContext(out=tmp_path / "new"), force=False).check(MODEL_CFG)  # not there yet: fine
+    ours = RunFolder(RunContext(out=tmp_path / "ours"), force=False)
     ours.mark()
     (ours.out / layout.GATES).write_text("{}")  # what a failed start leaves behind
     ours.check(MODEL_CFG)
@@ -47,7 +49,7 @@ def test_run_folder_decides_ours_from_its_marker_never_from_file_names(tmp_path:
 
 def test_run_folder_commit_writes_the_marker_and_run_json_and_refuses_another_model(gate_data, tmp_path) -> None:
     tok = Tokenizer.load(gate_data / layout.TOKENIZER)
-    folder = RunFolder(tmp_path / "run", D.Dist(), kind="pretrain", force=False)
+    folder = RunFolder(RunContext(out=tmp_path / "run"), force=False)
     folder.check(MODEL_CFG)
     folder.commit(model_cfg=MODEL_CFG, train={"seed": 1}, tokenizer=tok)
     names = {p.name for p in folder.out.iterdir()}
@@ -55,10 +57,10 @@ def test_run_folder_commit_writes_the_marker_and_run_json_and_refuses_another_mo
     run = layout.read_run_config(folder.out)
     assert run["kind"] == "pretrain" and run["model"] == MODEL_CFG.to_dict() and run["train"] == {"seed": 1}
     other = preset("tiny", vocab_size=300, **{**SMALL, "n_layers": 3})
-    again = RunFolder(folder.out, D.Dist(), kind="pretrain", force=False)
+    again = RunFolder(RunContext(out=folder.out), force=False)
     with pytest.raises(TrainError, match="another model config"):
         again.check(other)
-    forced = RunFolder(folder.out, D.Dist(), kind="pretrain", force=True)
+    forced = RunFolder(RunContext(out=folder.out), force=True)
     forced.check(other)
     assert forced.holds_run and forced.start_over
 
@@ -77,12 +79,13 @@ def test_agreed_returns_the_result_or_raises_the_ranks_own_error() -> None:
 # -------------------------------------------------------------------------------- EarlyStopping
 def test_early_stopping_counts_evaluations_without_a_new_best_and_round_trips_its_state(tmp_path: Path) -> None:
     logged, said = [], []
-    es = EarlyStopping(2, tmp_path, D.Dist(), log=logged.append, say=said.append)
+    ctx = RunContext(out=tmp_path, log=logged.append, say=said.append)
+    es = EarlyStopping(2, ctx)
     assert es.track(10, 3.0) and not es.should_stop()
     assert not es.track(20, 3.5) and not es.should_stop()
     assert es.track(30, 2.5) and es.keep() == {30}  # a new best resets the count
     assert not es.track(40, 2.6) and not es.track(50, 2.7) and es.should_stop()
-    again = EarlyStopping(2, tmp_path, D.Dist(), log=logged.append, say=said.append)
+    again = EarlyStopping(2, ctx)
     again.load_state_dict(es.state_dict())
     assert again.best == {"val_loss": 2.5, "step": 30, "evals_since": 2} and again.should_stop()
     again.load_state_dict({})  # a checkpoint from before early stopping: the fresh state stays
@@ -90,7 +93,7 @@ def test_early_stopping_counts_evaluations_without_a_new_best_and_round_trips_it
     rec = es.stop(50)
     assert rec["best_step"] == 30 and rec["best_checkpoint"] is None  # no checkpoints in this folder
     assert json.loads((tmp_path / layout.EARLY_STOP).read_text()) == rec and logged == [rec]
-    assert EarlyStopping(0, tmp_path, D.Dist(), log=print, say=print).keep() == set()
+    assert EarlyStopping(0, ctx).keep() == set()
 
 
 # ----------------------------------------------------------------------------------- StepReads
@@ -107,7 +110,7 @@ def test_step_reads_read_once_for_every_pending_step_judge_in_order_and_drop_wha
         judged.append((r.step, r.loss))
         return r.loss == r.loss  # a NaN is dropped
 
-    cfg = train_cfg(Path("unused"), grad_flow_every=0)
+    cfg = ChecksSection.of(train_cfg(Path("unused"), grad_flow_every=0))
     reads = StepReads(cfg, deferred=True, judge=judge, record=MetricsLogger.record, write=written.append)
     assert not reads.should_read_now(1)  # deferred: no read until something needs the values
     for step, loss in ((1, 2.0), (2, float("nan")), (3, 1.5)):
@@ -125,46 +128,52 @@ def test_step_reads_read_once_for_every_pending_step_judge_in_order_and_drop_wha
 # ---------------------------------------------------------------------------- MetricsLogger
 def test_metrics_logger_writes_queued_events_after_the_log_is_cut_to_the_resumed_step(tmp_path: Path) -> None:
     (tmp_path / layout.LOG).write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
-    m = MetricsLogger(train_cfg(Path("unused"), out=tmp_path), tmp_path, D.Dist(), CPU)
+    ctx = RunContext(out=tmp_path, log=EventLog())
+    m = MetricsLogger(MetricsSection.of(train_cfg(Path("unused"), out=tmp_path)), ctx)
     m.load_state_dict({"tokens": 640, "elapsed_s": 12.5})
-    m.event({"event": "reset_optimizer", "step": 2})  # met at resume, before the log is open
+    ctx.log({"event": "reset_optimizer", "step": 2})  # met at resume, before the log is open
     m.open(2)
+    ctx.log({"event": "checkpoint", "step": 3})  # once it is open: written at once
     m.close()
     recs = [json.loads(x) for x in (tmp_path / layout.LOG).read_text().splitlines()]
-    assert recs == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}, {"event": "reset_optimizer", "step": 2}]
+    assert recs == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}, {"event": "reset_optimizer", "step": 2},
+                    {"event": "checkpoint", "step": 3}]
     assert m.state_dict() == {"tokens": 640, "elapsed_s": 12.5}
 
 
 # ------------------------------------------------------------------- TrainStep, Checkpointer
 def test_the_train_step_and_a_checkpoint_round_trip_restore_the_same_next_step(gate_data: Path, tmp_path) -> None:
-    """Save after one step, load into a fresh model: the second step is bit-identical."""
+    """Save after one step, load into a fresh model: the second step is bit-identical. The batches come
+    through the Trainer's Prefetcher (one drawn ahead): the checkpoint holds the position of those handed out."""
     cfg = train_cfg(gate_data, out=tmp_path / "run", save_every=5, max_steps=4)
     d = D.Dist()
 
     def build() -> tuple[TrainStep, object, Checkpointer]:
         torch.manual_seed(0)
         data = pretraining_data(cfg, d)
-        views = build_views(Transformer(cfg.model_config(data.tokenizer.vocab_size)), cfg, d, CPU)
-        cp = Checkpointer(cfg.out, d, CPU, cfg, kind="pretrain", log=print, say=print)
-        cp.register("data", Live(lambda: data.train), "data position")
-        cp.register(None, MetricsLogger(cfg, Path(cfg.out), d, CPU), "token count")
-        return TrainStep(views, cfg, d), data, cp
+        section = StepSection.of(cfg)
+        views = build_views(Transformer(cfg.model_config(data.tokenizer.vocab_size)), section, d, CPU)
+        ctx = RunContext(d, CPU, cfg.out)
+        batches = Prefetcher(data.train, lambda b: to_device(b, CPU))
+        parts = (("data", batches, "data position"), (None, MetricsLogger(MetricsSection.of(cfg), ctx), "token count"))
+        cp = Checkpointer(CheckpointSection.of(cfg), ctx, parts=parts)
+        return TrainStep(views, section, d), (data, batches), cp
 
-    step, data, cp = build()
+    step, (data, batches), cp = build()
     assert step.total_steps == 4 and step.tokens_per_step == cfg.batch_size * cfg.seq_len
     assert cp.should_save(5, last=False, stopping=False, new_best=False)
     assert not cp.should_save(3, last=False, stopping=False, new_best=False)
     assert cp.should_save(3, last=True, stopping=False, new_best=False)
-    first = step.timed(1, data.train)
+    first = step.timed(1, batches)
     cp.save(1, step.views, data.tokenizer)
     cp.close()
-    second = step.timed(2, data.train).item()
+    second = step.timed(2, batches).item()
     weights = {k: v.clone() for k, v in step.views.model.state_dict().items()}
 
-    step2, data2, cp2 = build()
+    step2, (data2, batches2), cp2 = build()
     assert cp2.find_latest(data2.tokenizer.sha256, step2.total_steps) is not None
     assert cp2.resume(cp2.find_latest(data2.tokenizer.sha256, step2.total_steps), step2.views) == 1
-    assert step2.timed(2, data2.train).item() == second and torch.isfinite(first)
+    assert step2.timed(2, batches2).item() == second and torch.isfinite(first)
     assert all(torch.equal(v, step2.views.model.state_dict()[k]) for k, v in weights.items())
     with pytest.raises(TrainError, match="--max-steps 4 is below step 1"):  # a budget of 0 steps: below it
         cp2.find_latest(data2.tokenizer.sha256, 0)

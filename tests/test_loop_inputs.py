@@ -1,4 +1,4 @@
-"""RunInputs (training.loop.inputs), built alone: what a run reads before anything is written — the
+"""RunInputs (training.loop.run_inputs), built alone: what a run reads before anything is written — the
 run folder's place, the data and the model shape, the first weights — with its checks, on real files."""
 
 from __future__ import annotations
@@ -9,26 +9,28 @@ import pytest
 import torch
 from fixtures_gates import SMALL, train_cfg
 
-from training import checkpoint as ckpt
 from training import distributed as D
-from training.config import ConfigError
-from training.data import pretraining_data
+from training.checkpoint import checkpoint_io as ckpt
+from training.config_sections import CheckpointSection
+from training.data.loaders import pretraining_data
 from training.loop.checkpointer import Checkpointer
-from training.loop.inputs import RunInputs
-from training.model import Transformer
+from training.loop.run_inputs import RunInputs
+from training.model.decoder import Transformer
+from training.run_context import RunContext
+from training.train_config import ConfigError
 
 pytest_plugins = ("fixtures_gates",)  # gate_data
 CPU = torch.device("cpu")
 
 
 def _inputs(cfg) -> RunInputs:
-    return RunInputs(cfg, D.Dist(), CPU, kind="pretrain", data_factory=pretraining_data, say=print)
+    return RunInputs(cfg, RunContext(D.Dist(), CPU, cfg.out), data_factory=pretraining_data)
 
 
 def test_reads_the_data_and_the_model_shape_and_writes_nothing(gate_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     inputs = _inputs(train_cfg(gate_data, out))
-    assert inputs.open_out() == (out, None)  # a local --out: no mirror
+    assert inputs.open_mirror() is None  # a local --out: no mirror
     checked = []
     data, model_cfg = inputs.read_data(check=lambda: checked.append(True))
     assert checked == [True]  # the caller's check ran inside the same agreed read
@@ -55,6 +57,6 @@ def test_first_weights_from_init_are_the_other_runs(gate_data: Path, tmp_path: P
     fresh = Transformer(model_cfg)
     cfg2 = train_cfg(gate_data, tmp_path / "new", init=str(tmp_path / "base"))
     inputs = _inputs(cfg2)
-    inputs.init_weights(fresh, data, Checkpointer(tmp_path / "new", D.Dist(), CPU, cfg2, kind="pretrain",
-                                                  log=lambda r: None, say=print))
+    inputs.init_weights(fresh, data, Checkpointer(CheckpointSection.of(cfg2),
+                                                  RunContext(D.Dist(), CPU, tmp_path / "new")))
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in base.state_dict().items())

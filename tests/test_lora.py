@@ -16,12 +16,12 @@ import torch
 from fixtures_serve import QUESTIONS, write_chats
 from safetensors.torch import load_file
 
-from training import checkpoint as ckpt
 from training import sft
+from training.checkpoint import checkpoint_io as ckpt
+from training.checkpoint.adapter_io import load_adapted
 from training.gates.adapters import adapter_gradient_flow, frozen_base
-from training.lora import LoRALinear, LoRASpec, adapter_state, add_adapters
-from training.lora_run import load_adapted
-from training.model import Transformer
+from training.model.decoder import Transformer
+from training.model.lora import LoRALinear, LoRASpec, adapter_state, add_adapters
 
 STEPS = 6
 FAST = ["--skip-gate", "throughput", "--skip-gate", "overfit_one_batch", "--skip-gate", "compiled_vs_eager"]
@@ -168,7 +168,7 @@ def gate_ctx(model: Transformer) -> SimpleNamespace:
 
 
 def adapted_tiny() -> Transformer:
-    from training.model import preset
+    from training.model.decoder import preset
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny"))
@@ -254,9 +254,9 @@ def test_the_lora_gguf_is_what_llama_cpp_loads_and_matches_pytorch(exported, lor
 
 def test_serving_answers_with_the_adapter_through_pytorch_and_llama_cpp(exported, lora_run):
     from serving.backend import SamplingParams
-    from serving.llamacpp import LlamaCppBackend
-    from serving.torch_backend import TorchBackend
-    from training.chat import encode
+    from serving.backends.llamacpp_backend import LlamaCppBackend
+    from serving.backends.torch_backend import TorchBackend
+    from training.text.chat_template import encode
 
     base = next(p for p in (exported / "gguf").glob("*-F16.gguf"))
     adapter = next((exported / "gguf").glob("*-lora-F32.gguf"))
@@ -318,14 +318,14 @@ def test_an_adapter_export_never_writes_where_it_reads(lora_run, tiny_run, capsy
 # ------------------------------------------------------------------ HF/PEFT, ONNX, merged, reuse, card
 def test_every_pair_of_the_export_matches_pytorch_base_plus_adapter(exported, lora_run):
     """parity.json of `export all --f16 --q4`: one row per pair, each judged near its measurement on this model
-    (the product's bounds, export.parity.DEFAULT_THRESHOLDS, are for any user's model)."""
+    (the product's bounds, export.parity.native_parity.DEFAULT_THRESHOLDS, are for any user's model)."""
     rows = parity_rows(exported)
     assert set(rows) == {"llama.cpp-F16+lora", "llama.cpp-Q4_K_M+lora", "onnx-fp32 (merged)", "transformers+peft"}
     q4 = rows["llama.cpp-Q4_K_M+lora"]  # measured KL 7.9e-4, top-1 96.1 %, 4/4 greedy equal
     assert q4["kl"] <= 2.5e-3 and q4["top1"] >= 0.88, q4
     onnx = rows["onnx-fp32 (merged)"]  # measured max |Δlogit| 1.1e-5 (the merged weights' fp32 rounding)
     assert onnx["max_abs"] <= 4e-5 and onnx["greedy_equal"] == 4, onnx
-    peft = rows["transformers+peft"]  # measured 0.0: the same fp32 ops as training.lora, in the same order
+    peft = rows["transformers+peft"]  # measured 0.0: the same fp32 ops as training.model.lora, in the same order
     assert peft["max_abs"] <= 1e-6 and peft["greedy_equal"] == 4 and peft["file"].endswith("hf-lora"), peft
     assert "pytorch fp32 base + lora adapter" in (exported / "parity.md").read_text().lower()
     meta = json.loads((exported / "onnx" / "onnx_config.json").read_text())
@@ -372,9 +372,9 @@ def test_the_base_runs_verified_export_is_reused_and_a_tampered_one_is_not(lora_
     RUN/export) is linked when its manifest's sha256 holds, and rewritten from the checkpoint when it does not."""
     import export.lora_export as lora_export
     from export.__main__ import main as export_main
-    from export.gguf import export_gguf
+    from export.gguf.gguf_export import export_gguf
     from export.manifest import Manifest, load_source
-    from training.files import sha256_file
+    from training.runfiles.file_ops import sha256_file
 
     base_out = tmp_path / "base-export"
     src = load_source(tiny_run)

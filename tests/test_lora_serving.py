@@ -1,7 +1,7 @@
 """Several LoRA adapters on one llama.cpp base, switched per generation without reloading the base: the
-backend (serving.llamacpp + serving.llamacpp_lora), the HTTP server's /v1/models and "adapter" field
-(serving.lora_pairs, serving.http_requests), `python -m serving BASE.gguf --lora NAME=A.gguf --lora ...`,
-and the demo's picker and card (demo.models, demo.app, demo.card).
+backend (serving.backends.llamacpp_backend + serving.backends.llamacpp_lora), the HTTP server's /v1/models and "adapter" field
+(serving.lora_pairs, serving.server.http_requests), `python -m serving BASE.gguf --lora NAME=A.gguf --lora ...`,
+and the demo's picker and card (demo.models, demo.app, demo.run_card).
 
 Fixture: two adapters trained 6 steps each on the tiny base (different seeds and learning rates, the serving
 fixtures' chat set), exported once with the base's F16 GGUF (export gguf --no-parity; test_lora holds the parity)."""
@@ -50,8 +50,8 @@ def loras(tiny_run, tmp_path_factory) -> tuple[Path, Path, Path, Path]:
 
 @pytest.fixture
 def opens(monkeypatch) -> list[Path]:
-    """Every llama.cpp model load of the test (serving.llamacpp.open_llama), by path: the reload detector."""
-    import serving.llamacpp as cpp
+    """Every llama.cpp model load of the test (serving.backends.llamacpp_backend.open_llama), by path: the reload detector."""
+    import serving.backends.llamacpp_backend as cpp
 
     seen: list[Path] = []
     real = cpp.open_llama
@@ -69,7 +69,7 @@ def model_ptr(backend) -> int:
 
 
 def test_adapters_switch_per_generation_on_one_base_load(loras, opens):
-    from serving.llamacpp import LlamaCppBackend
+    from serving.backends.llamacpp_backend import LlamaCppBackend
 
     base, a, b, _ = loras
     cpp = LlamaCppBackend(base, lora={"a": a, "b": b}, threads=1)
@@ -101,7 +101,7 @@ def test_adapters_switch_per_generation_on_one_base_load(loras, opens):
 
 def test_one_scale_for_every_adapter(loras):
     """--lora-scale is every adapter's strength: at 0 each pair is the base alone (llama.cpp drops a 0 scale)."""
-    from serving.llamacpp import LlamaCppBackend
+    from serving.backends.llamacpp_backend import LlamaCppBackend
 
     base, a, b, _ = loras
     with LlamaCppBackend(base, lora={"a": a, "b": b}, lora_scale=0.0, threads=1) as cpp:
@@ -114,10 +114,10 @@ def test_one_scale_for_every_adapter(loras):
 def test_http_lists_the_pairs_and_the_adapter_field_picks_one(loras, opens):
     from fastapi.testclient import TestClient
 
+    from serving.backends.llamacpp_backend import LlamaCppBackend
     from serving.chat_session import completion_stream
-    from serving.http import ServerConfig, create_app
-    from serving.llamacpp import LlamaCppBackend
     from serving.lora_pairs import Pairs
+    from serving.server.http_app import ServerConfig, create_app
 
     base, a, b, _ = loras
     cpp = LlamaCppBackend(base, lora={"a": a, "b": b}, threads=1)
@@ -162,8 +162,8 @@ def test_a_server_without_adapters_refuses_the_field(client):
 def test_an_adapter_run_served_through_pytorch_lists_its_one_pair(loras):
     from fastapi.testclient import TestClient
 
-    from serving.http import ServerConfig, create_app
-    from serving.torch_backend import TorchBackend
+    from serving.backends.torch_backend import TorchBackend
+    from serving.server.http_app import ServerConfig, create_app
 
     run = loras[3]
     torch_b = TorchBackend(run, threads=1)
@@ -210,8 +210,8 @@ def test_lora_flags_name_each_adapter_and_refuse_what_is_ambiguous(loras, tmp_pa
 
 def test_the_demo_offers_each_pair_on_one_loaded_base_and_its_card_names_both(loras, opens):
     from demo.app import ModelPool
-    from demo.card import model_card
     from demo.models import DemoError, discover_models, entry_for, with_adapters
+    from demo.run_card import model_card
 
     base, a, _, _ = loras
     entries = discover_models(base)  # export --out's folder: the base GGUF and the adapter beside it

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.metrics import (
+from training.model.decoder import Transformer, preset
+from training.telemetry.step_metrics import (
     MFU_KEYS,
     PEAK_BF16_FLOPS,
     Throughput,
@@ -16,7 +17,6 @@ from training.metrics import (
     peak_flops,
     peak_flops_for_name,
 )
-from training.model import Transformer, preset
 
 # Hand arithmetic (d = 256, L = 2, heads 4 x 64, kv 2 x 64, ffn 768, vocab 2048; seq 256):
 #   block = attention 256*256*2 + 256*128*2 = 196,608 + SwiGLU 3*256*768 = 589,824 + norms 512 = 786,944

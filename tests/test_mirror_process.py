@@ -1,4 +1,4 @@
-"""The mirror's upload child process (training/loop/mirror.py, training/loop/mirror_worker.py, issue #29).
+"""The mirror's upload child process (training/mirror/run_mirror.py, training/store/mirror_worker.py, issue #29).
 
 A real moto S3 server (tests/fixtures_remote.py) and a real child process; train.py's own runs
 through it are tests/test_remote.py (kill -9 mid-upload, SIGTERM, an outage, ...). Here, what only
@@ -19,8 +19,9 @@ import s3fs  # noqa: F401
 from fixtures_remote import bucket, committed_steps
 
 from training import distributed as D
-from training.config import TrainConfig
-from training.loop.mirror import Mirror
+from training.config_sections import MirrorSection
+from training.mirror.run_mirror import Mirror
+from training.run_context import RunContext
 
 WAIT_S = 60.0  # an upload of a few KB takes ~0.1-1 s here; generous for a loaded 2-core machine
 POLL_S = 0.01
@@ -46,7 +47,8 @@ def test_a_child_killed_mid_upload_is_one_warning_and_the_uploads_go_on(s3_serve
         monkeypatch.setenv(k, v)
     fs, root = s3_server.fs(), f"{bucket(s3_server, 'child')}/run"
     cache, said = tmp_path / "cache", []
-    m = Mirror(f"s3://{root}", cache, D.Dist(), TrainConfig(keep_last=0), say=said.append)
+    m = Mirror(MirrorSection.default(out=f"s3://{root}", cache=str(cache), keep_last=0),
+               RunContext(D.Dist(), out=cache, say=said.append))
     m._checked = m.reached = True  # a fresh URL: nothing to check or pull (Mirror.prepare's job)
     m.start()
     child = m._proc

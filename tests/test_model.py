@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers  # a dev dependency: absent, this module fails, never skips
 
-from training.metrics import flops_per_token
-from training.model import PRESETS, Transformer, count_params, preset
+from training.model.decoder import PRESETS, Transformer, count_params, preset
+from training.telemetry.step_metrics import flops_per_token
 
-HF_NAMES = [  # ours -> HF (the real map lives in export.names; this test must stay independent of it)
+HF_NAMES = [  # ours -> HF (the real map lives in training.model.gguf_names; this test must stay independent of it)
     ("tok_embeddings.", "model.embed_tokens."), ("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
     ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.o_proj"), ("feed_forward.w1", "mlp.gate_proj"),
     ("feed_forward.w2", "mlp.down_proj"), ("feed_forward.w3", "mlp.up_proj"), ("attention_norm", "input_layernorm"),
@@ -130,7 +130,7 @@ def test_bf16_residual_stream_with_fp32_norms() -> None:
     and the result stays within the bf16 gate tolerance of the fp32 stream. Measured (tiny, 4 layers,
     2 x 256 tokens; relative L2): bf16 stream vs fp32 stream 7.9e-3 (logits) / 1.6e-2 (worst gradient),
     each against fp32 without autocast 8.2e-3 / 1.5e-2 (bf16 stream) and 6.4e-3 / 1.3e-2 (fp32 stream)."""
-    from training.gates.model import TOLERANCE
+    from training.gates.model_gates import TOLERANCE
 
     torch.manual_seed(0)
     m = Transformer(preset("tiny", n_layers=4))
@@ -161,7 +161,7 @@ def test_bf16_residual_stream_with_fp32_norms() -> None:
 
 def test_rmsnorm_computes_in_fp32_for_bf16_input() -> None:
     """RMSNorm of a bf16 input equals the fp32 computation rounded once (not bf16 arithmetic throughout)."""
-    from training.model import RMSNorm
+    from training.model.decoder import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(512, 1e-5)

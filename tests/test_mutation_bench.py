@@ -16,7 +16,7 @@ from conftest import REPO
 def test_the_mutation_benchmark_judges_every_mutant_of_one_function(tmp_path: Path) -> None:
     out = tmp_path / "report"
     cmd = [sys.executable, str(REPO / "tests" / "benchmarks" / "mutation.py"), "--target", "schema",
-           "--only", "training.schema.x_one_of*", "--out", str(out)]
+           "--only", "training.runfiles.schema.x_one_of*", "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     r = json.loads((out / "mutation.json").read_text())
@@ -71,19 +71,19 @@ def test_a_change_listed_twice_sets_aside_two_mutants_and_no_third() -> None:
 
 def test_an_equivalent_is_matched_by_its_whole_change_only() -> None:
     m = _bench()
-    name = "training.gates.data.x_train_val_disjoint__mutmut_{}"
+    name = "training.gates.data_gates.x_train_val_disjoint__mutmut_{}"
     # the dead else branch's dtype is equivalent; np.unique(None) on the same line blinds the overlap gate
     assert m.equivalent(name.format(30), ELSE_EMPTY).startswith("per_row is never empty here")
     assert m.equivalent(name.format(27), UNIQUE_NONE) == ""
     assert m.equivalent(name.format(30), ELSE_EMPTY.replace("train_val_disjoint", "x")) != ""  # indentation aside
-    assert m.equivalent("training.gates.data.x_other__mutmut_1", ELSE_EMPTY) == ""  # another function
+    assert m.equivalent("training.gates.data_gates.x_other__mutmut_1", ELSE_EMPTY) == ""  # another function
     # the spare threshold kinds are not equivalent: parse_thresholds would accept them
-    assert m.equivalent("export.parity.x_threshold_kinds__mutmut_2", SPARE_KIND) == ""
+    assert m.equivalent("export.parity.native_parity.x_threshold_kinds__mutmut_2", SPARE_KIND) == ""
 
 
 def test_an_entry_that_matches_two_mutants_stops_the_tool() -> None:
     m = _bench()
-    name = "training.gates.data.x_train_val_disjoint__mutmut_{}"
+    name = "training.gates.data_gates.x_train_val_disjoint__mutmut_{}"
     m.check_entries({name.format(30): ELSE_EMPTY, name.format(27): UNIQUE_NONE})  # one each: fine
     statuses = {name.format(30): "survived", name.format(31): "survived", name.format(1): "killed"}
     with pytest.raises(m.ToolError, match=r"matches more than one mutant: train_val_disjoint .*mutmut_30, .*mutmut_31"):
@@ -92,7 +92,7 @@ def test_an_entry_that_matches_two_mutants_stops_the_tool() -> None:
 
 def test_the_report_counts_survivors_in_neither_table() -> None:
     m = _bench()
-    name = "training.gates.data.x_train_val_disjoint__mutmut_{}"
+    name = "training.gates.data_gates.x_train_val_disjoint__mutmut_{}"
     r = m.report("gates-data", {name.format(30): "survived", name.format(27): "survived", name.format(1): "killed"},
                  {name.format(30): ELSE_EMPTY, name.format(27): UNIQUE_NONE}, 1.0)
     assert (r["mutants"], r["equivalent"], r["unexplained"]) == (3, 1, 1)

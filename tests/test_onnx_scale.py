@@ -1,6 +1,6 @@
-"""The streamed ONNX export (export/onnx.py, CLI export/onnx_stream.py): the graph traced over
+"""The streamed ONNX export (export/onnx/onnx_export.py, CLI export/onnx_stream.py): the graph traced over
 placeholder weights, the real weights streamed from the checkpoint into external data. It must
-equal PyTorch and be served by serving.onnxrt as it is. The model is the suite's `tiny_run`
+equal PyTorch and be served by serving.backends.onnxrt_backend as it is. The model is the suite's `tiny_run`
 (trained by training/train.py on the shipped corpus). The time/RSS targets of the `400m` preset are
 measured by tests/benchmarks/bench_export.py (fp32) and bench_onnx_export.py (fp32, int8, int4)."""
 
@@ -13,7 +13,7 @@ import preloaded
 import pytest
 from conftest import REPO
 
-from export.onnx import export_onnx, placeholder_model
+from export.onnx.onnx_export import export_onnx, placeholder_model
 
 PROMPTS = ("আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।", "নদীর ধারে একটি ছোট গ্রাম। The river is quiet.")
 
@@ -28,7 +28,7 @@ def streamed(tiny_run, tmp_path_factory):
 
 
 def test_placeholder_weights_hold_no_memory():
-    from training.model import preset
+    from training.model.decoder import preset
 
     m = placeholder_model(preset("400m"))
     storage = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in m.parameters()}
@@ -41,8 +41,8 @@ def test_streamed_export_equals_pytorch_and_is_served(streamed, tiny_run):
 
     import onnx
 
-    from serving.onnxrt import OnnxBackend
-    from serving.torch_backend import TorchBackend
+    from serving.backends.onnxrt_backend import OnnxBackend
+    from serving.backends.torch_backend import TorchBackend
 
     meta = json.loads((streamed / "onnx_config.json").read_text())
     assert meta["external_data"] and meta["checks"]["fp32"]["max_abs_diff_vs_torch"] <= 1e-4
@@ -68,7 +68,7 @@ def test_streamed_export_refuses_to_overwrite_and_bad_checkpoints(streamed, tiny
     # a truncated checkpoint: one clear line, nothing written
     import shutil
 
-    from training.checkpoint import latest
+    from training.checkpoint.checkpoint_io import latest
 
     bad = tmp_path / "bad"
     shutil.copytree(latest(tiny_run), bad / "checkpoints" / latest(tiny_run).name)

@@ -15,9 +15,9 @@ from fixtures_export import shipped_texts, tatoeba_lines
 
 import serving
 from export.__main__ import main
-from export.gguf import quantize_gguf, write_gguf
+from export.gguf.gguf_export import quantize_gguf, write_gguf
 from export.manifest import Manifest, load_source
-from export.parity import (
+from export.parity.native_parity import (
     DECOMPOSED,
     PRECOMPOSED,
     PROMPTS,
@@ -29,10 +29,10 @@ from export.parity import (
     run_parity,
     tokenizer_metrics,
 )
-from serving.llamacpp import LlamaCppBackend
-from training import checkpoint
-from training.logprobs import kl_rows
-from training.text import normalize
+from serving.backends.llamacpp_backend import LlamaCppBackend
+from training.checkpoint import checkpoint_io as checkpoint
+from training.model.logprobs import kl_rows
+from training.text.normalization import normalize
 
 PERTURBED_LAYER = "layers.0.feed_forward.w2.weight"  # noise 10x its std: KL ~0.5, top-1 ~20% on tiny_run
 
@@ -196,7 +196,7 @@ def test_backend_tokenizers_match_training_on_tatoeba(trained_run, exported):  #
 
 def test_reference_is_a_serving_backend(trained_run):  # noqa: F811
     """Parity's reference is serving's TorchBackend over the checkpoint's model: one PyTorch runner."""
-    from serving.torch_backend import TorchBackend
+    from serving.backends.torch_backend import TorchBackend
 
     ref = reference_backend(load_source(trained_run))
     served = serving.load(trained_run)

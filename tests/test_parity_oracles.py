@@ -1,4 +1,4 @@
-"""export/parity.py's arithmetic and verdicts on hand-built inputs, no trained model and no export: the
+"""export/parity/native_parity.py's arithmetic and verdicts on hand-built inputs, no trained model and no export: the
 expected numbers come from the definitions (KL(p || q) = sum p log p/q, top-1 agreement = agreeing
 positions / all positions, a threshold met exactly passes), written out by hand for 1-3 token
 examples. These are the fast tests the `parity` mutation target runs (test_parity.py trains and exports).
@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import export.parity as P
-from export.names import to_hf
+import export.parity.native_parity as P
 from serving.backend import SamplingParams
-from training.layout import HF_DIR, MODEL_WEIGHTS, PARITY_JSON, PARITY_MD, TOKENIZER
-from training.model import ModelConfig, Transformer
-from training.text import normalize
+from training.model.decoder import ModelConfig, Transformer
+from training.model.gguf_names import to_hf
+from training.runfiles.layout import HF_DIR, MODEL_WEIGHTS, PARITY_JSON, PARITY_MD, TOKENIZER
+from training.text.normalization import normalize
 
 LN3 = math.log(3.0)
 
@@ -348,7 +348,7 @@ def test_threshold_kinds_are_exactly_the_documented_ones() -> None:
     # docs/export.md: KIND is safetensors, transformers, onnx-fp32|int8|int4 or llama.cpp-TYPE for any llama.cpp
     # file type, and nothing else: a spare kind in the set (a mutated "safetensors" beside the real one, which
     # the subset checks above let through) is a threshold nothing reads
-    from export.gguf import file_types
+    from export.gguf.gguf_export import file_types
 
     want = {"safetensors", "transformers", "onnx-fp32", "onnx-int8", "onnx-int4", *(f"llama.cpp-{t}" for t in file_types())}
     assert set(P.threshold_kinds()) == want and len(P.threshold_kinds()) == len(want)

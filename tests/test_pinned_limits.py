@@ -13,11 +13,11 @@ import re
 
 from conftest import REPO
 
-import export.parity as P
-import training.fertility as F
-import training.gates.data as D
-import training.gates.model as M
-from training import records
+import export.parity.native_parity as P
+import training.gates.data_gates as D
+import training.gates.model_gates as M
+import training.text.fertility as F
+from training.runfiles import json_records as records
 
 DOCS = REPO / "docs"
 

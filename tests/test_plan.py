@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from training import plan as P
-from training.model import count_params, preset
+from training import run_plan as P
+from training.model.decoder import count_params, preset
 from training.train import main
 
 # 400m with its recipe (training/presets/400m.toml): micro-batch 8 x 2048 = 16,384 tokens, vocab 32768.
@@ -142,7 +142,7 @@ MEASURE = r"""
 import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
-from training.model import Transformer, preset
+from training.model.decoder import Transformer, preset
 torch.manual_seed(0)
 torch.set_num_threads(2)
 cfg = preset("small")
@@ -196,8 +196,8 @@ def test_gpu_presets_are_one_h100_recipes(name: str) -> None:
     """~0.5 M tokens per step on one GPU, a micro-batch that fits an H100 by the estimate, and the
     cadence the preset's comments state: evaluation every ~10-20 min, a checkpoint every ~20-40 min
     at 45% MFU (the issue's target) on an H100 SXM."""
-    from training.config import preset_train
-    from training.metrics import PEAK_BF16_FLOPS, flops_per_token
+    from training.telemetry.step_metrics import PEAK_BF16_FLOPS, flops_per_token
+    from training.train_config import preset_train
 
     r, mc = preset_train(name), preset(name)
     tokens = r["batch_size"] * r["grad_accum"] * r["seq_len"]

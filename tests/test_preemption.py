@@ -1,4 +1,4 @@
-"""Preemption: real SIGTERM / SIGUSR1 to real training processes (training/preempt.py).
+"""Preemption: real SIGTERM / SIGUSR1 to real training processes (training/loop/preempt_signals.py).
 
 1. One process: SIGTERM mid-run -> the step finishes, a checkpoint of it is written, exit 3 with the
    `preempted at step N by SIGTERM; checkpoint step_N written; …` line; the same command resumes, and
@@ -8,7 +8,7 @@
    (one request delivered twice, as SLURM + torchrun do) is not a second signal.
 3. torchrun, 2 processes on gloo: SIGUSR1 to rank 1 alone -> both ranks stop at the same step, rank 0
    writes that step's checkpoint, each worker exits 3, and the resumed run equals an uninterrupted one.
-4. The asynchronous checkpoint writer (training.checkpoint.CheckpointWriter): what it writes is the
+4. The asynchronous checkpoint writer (training.checkpoint.checkpoint_io.CheckpointWriter): what it writes is the
    state at the save, not later; non-finite state is refused before any copy; a failed write is
    raised at the next save and at the end.
 Signals are timed by steps (records in log.jsonl), never by seconds.
@@ -32,12 +32,12 @@ from conftest import files_of, stop
 from fixtures_reliability import REPO, child_env, train_argv
 from safetensors.torch import load_file
 
-from training import checkpoint as ckpt
-from training import layout
-from training.cli import EXIT_PREEMPTED
-from training.model import Transformer, preset
-from training.preempt import REPEAT_ENV
-from training.tokenizer import Tokenizer
+from training.checkpoint import checkpoint_io as ckpt
+from training.loop.preempt_signals import REPEAT_ENV
+from training.model.decoder import Transformer, preset
+from training.runfiles import layout
+from training.runfiles.cli_harness import EXIT_PREEMPTED
+from training.text.tokenizer import Tokenizer
 
 STEPS = 60  # far more than the few the signal needs to land in: the run never finishes first
 SIGNAL_AFTER = 3  # step records in log.jsonl before the signal is sent
@@ -177,7 +177,7 @@ REPEAT_SCRIPT = """
 import os, signal, sys, time
 import torch
 from training.distributed import Dist
-from training.preempt import Preemption
+from training.loop.preempt_signals import Preemption
 p = Preemption(Dist(), torch.device("cpu")).install()
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.05)  # the handler has run

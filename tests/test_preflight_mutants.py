@@ -1,4 +1,4 @@
-"""training/loop/preflight.py in-process (issue #46 item 3, mutation target `preflight`): the pre-flight
+"""training/loop/preflight_runner.py in-process (issue #46 item 3, mutation target `preflight`): the pre-flight
 gates' one verdict for every rank, and the resume logic docs/gates.md ("On resume") states:
 
     `gates.json` records the setting it was reached under (device, autocast dtype, world size,
@@ -22,11 +22,12 @@ import torch
 
 from training import distributed as D
 from training import gates
-from training.config import TrainConfig
-from training.loop.preflight import Preflight
+from training.loop.preflight_runner import Preflight
 from training.loop.step import ModelViews
-from training.metrics import flops_per_token
-from training.model import ModelConfig, Transformer
+from training.model.decoder import ModelConfig, Transformer
+from training.run_context import RunContext
+from training.telemetry.step_metrics import flops_per_token
+from training.train_config import TrainConfig
 
 TINY = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=16)
 FP32 = {"device": "cpu", "world_size": 1, "dtype": "fp32", "compile": False, "fsdp": False,
@@ -80,7 +81,8 @@ def preflight(d: D.Dist | None = None, passed: bool = True, seen: list | None = 
     said: list[str] = []
     folder = Folder()
     cfg.setdefault("seq_len", 8)
-    return Preflight(TrainConfig(**cfg), d or D.Dist(), folder, said.append, registry(passed, seen)), folder, said
+    ctx = RunContext(d or D.Dist(), say=said.append)
+    return Preflight(TrainConfig(**cfg), ctx, folder, registry(passed, seen)), folder, said
 
 
 # --------------------------------------------------------------------------- the setting a verdict holds for
@@ -156,7 +158,7 @@ def test_every_rank_passing_adds_no_result():
 
 def test_a_gate_the_user_skips_is_recorded_as_skipped():
     said: list[str] = []
-    p = Preflight(TrainConfig(seq_len=8, skip_gates=["gradient_flow"]), D.Dist(), Folder(), said.append,
+    p = Preflight(TrainConfig(seq_len=8, skip_gates=["gradient_flow"]), RunContext(say=said.append), Folder(),
                   {"gradient_flow": registry()["stand_in"]})
     report = p.run(views(), object(), lambda m: None, None)
     assert report.skipped_by_user == ["gradient_flow"] and [r.skipped for r in report.results] == [True]

@@ -15,7 +15,7 @@ import preloaded
 from fixtures_reliability import child_env, train_argv
 from safetensors.torch import load_file
 
-from training import checkpoint as ckpt
+from training.checkpoint import checkpoint_io as ckpt
 
 PROBE = textwrap.dedent("""
     import atexit, json, os, sys, threading, time

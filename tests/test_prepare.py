@@ -11,14 +11,7 @@ import pytest
 from conftest import shared_path
 from fixtures_tokenizer import write_subset
 
-from training.data import TokenStream, read_header, read_meta
-from training.fertility import (
-    BALANCE_GATE,
-    FERTILITY_GATE,
-    balance_ratios,
-    fertility_gates,
-    report_from_counts,
-)
+from training.data.loaders import TokenStream, read_header, read_meta
 from training.prepare import (
     GateFailed,
     PrepareError,
@@ -28,8 +21,15 @@ from training.prepare import (
     prepare,
     resolve_inputs,
 )
-from training.text import normalize
-from training.tokenizer import Tokenizer, train_tokenizer
+from training.text.fertility import (
+    BALANCE_GATE,
+    FERTILITY_GATE,
+    balance_ratios,
+    fertility_gates,
+    report_from_counts,
+)
+from training.text.normalization import normalize
+from training.text.tokenizer import Tokenizer, train_tokenizer
 
 SUBSET_BYTES = 300_000  # per language: big enough for stable fertility, small enough for ~1 s runs
 HEALTHY_VOCAB = 2000

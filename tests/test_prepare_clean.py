@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from conftest import CORPUS
 
-from training.data import decoded_documents
+from training.data.loaders import decoded_documents
 from training.prepare import PrepareError, iter_file_docs, prepare, resolve_inputs, status_for
 from training.prepare.dedup import U64Set, band_keys, word_hashes
 from training.prepare.quality import load_config
-from training.text import detect_language, match_words
+from training.text.normalization import detect_language, match_words
 
 FAST = {"workers": 1, "progress": False}
 VOCAB = 2048

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import CORPUS
 
-from training.data import TokenStream
+from training.data.loaders import TokenStream
 from training.prepare import PrepareError, iter_file_docs, main, prepare, resolve_inputs
 
 FAST = {"workers": 1, "progress": False, "fertility_floor": 1.5}

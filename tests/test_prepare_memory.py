@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from conftest import CORPUS
 
-from training.data import ShardWriter, read_shard
+from training.data.loaders import ShardWriter, read_shard
 from training.prepare import PrepareError, main, prepare
 from training.prepare.clean import HeldOutSample
+from training.prepare.cluster.worker_memory import MAIN_BASE_MB, WORKER_MB, plan_memory
 from training.prepare.dedup import DedupIndex
-from training.prepare.memory import MAIN_BASE_MB, WORKER_MB, plan_memory
 from training.prepare.options import DEFAULT_SHARD_TOKENS
 
 BANDS = 14

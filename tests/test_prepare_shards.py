@@ -12,7 +12,7 @@ import pytest
 from conftest import CORPUS
 from test_prepare_clean import decoded_docs
 
-from training.data import TokenStream, read_meta
+from training.data.loaders import TokenStream, read_meta
 from training.prepare import PrepareError, main, merge, prepare
 
 FAST = {"workers": 1, "progress": False, "fertility_floor": 1.5}

@@ -1,10 +1,10 @@
-"""training.progress.bar: a live bar on a terminal, nothing at all in a log file or a pipe."""
+"""training.runfiles.progress.bar: a live bar on a terminal, nothing at all in a log file or a pipe."""
 
 from __future__ import annotations
 
 import io
 
-from training.progress import bar
+from training.runfiles.progress import bar
 
 
 class Terminal(io.StringIO):

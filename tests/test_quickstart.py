@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import REPO
 
 from demo.models import QUICKSTART_BASE, QUICKSTART_CHAT, QUICKSTART_DATA, quickstart_gguf_dir
-from training import layout
+from training.runfiles import layout
 
 
 def quickstart(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -44,8 +44,8 @@ def test_quickstart_runs_every_stage_then_reuses_them(tmp_path: Path) -> None:
     assert parity["passed"], parity.get("summary")
     assert (export / layout.PARITY_MD).is_file() and (export / layout.CARD).is_file()
     # the demo's card shows bits/byte beside the random-init twin (issue 31), not "twin not measured"
-    from demo.card import model_card
     from demo.models import discover_models
+    from demo.run_card import model_card
 
     gguf = next(quickstart_gguf_dir(out).glob("*-Q4_K_M.gguf"))
     bpb = model_card(discover_models(gguf)[0]).get("held-out bits/byte")
@@ -58,7 +58,7 @@ def test_quickstart_runs_every_stage_then_reuses_them(tmp_path: Path) -> None:
 
 
 def test_quickstart_flags_are_range_checked_before_any_stage(tmp_path: Path, capsys) -> None:
-    """Numbers and names are checked while parsing (training.schema types): one error line naming the flag."""
+    """Numbers and names are checked while parsing (training.runfiles.schema types): one error line naming the flag."""
     from demo import quickstart as qs
 
     (tmp_path / "a-file").write_text("")
@@ -73,7 +73,7 @@ def test_quickstart_flags_are_range_checked_before_any_stage(tmp_path: Path, cap
 def test_an_early_stopped_run_counts_as_finished(tmp_path: Path) -> None:
     """Validation stopped pretraining before --steps: a second quickstart must not train it again."""
     from demo.quickstart import early_stop_flags, finished
-    from training import checkpoint as ckpt
+    from training.checkpoint import checkpoint_io as ckpt
 
     run = tmp_path / "base"
     step = run / layout.CHECKPOINTS / ckpt.step_dir_name(40)

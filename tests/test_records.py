@@ -1,4 +1,4 @@
-"""training.records: the one JSON/JSONL record reader, its line numbers and its one-line errors."""
+"""training.runfiles.json_records: the one JSON/JSONL record reader, its line numbers and its one-line errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from training.records import RecordError, read_records
+from training.runfiles.json_records import RecordError, read_records
 
 
 def _write(tmp_path, name: str, content: str | bytes):

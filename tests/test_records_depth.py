@@ -1,6 +1,6 @@
-"""training/records.py's nesting bound, reached: the limit itself decides, not the parser giving up.
+"""training/runfiles/json_records.py's nesting bound, reached: the limit itself decides, not the parser giving up.
 
-The requirement (records.py, docs/reliability.md "bad input"): a JSON value nested deeper than
+The requirement (training/runfiles/json_records.py, docs/reliability.md "bad input"): a JSON value nested deeper than
 MAX_DEPTH (64) levels is refused with one line saying so; 64 levels are read. test_boundaries_2 nests
 100,000 levels, where CPython's json raises RecursionError (near 1,000) before the bound is ever
 consulted, so `depth >= max_depth` -> `>` or `depth + 1` -> `depth - 1` (which switches the bound off)
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from training import records as R
+from training.runfiles import json_records as R
 
 LIMIT = 64  # docs/reliability.md: "nested deeper than 64 levels" is refused
 

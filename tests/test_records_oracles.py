@@ -1,4 +1,4 @@
-"""training/records.py on hand-written files, what its docstrings promise (#46 item 3, the `records` mutation
+"""training/runfiles/json_records.py on hand-written files, what its docstrings promise (#46 item 3, the `records` mutation
 target): every record with its file, its 1-based line and its 0-based index; JSON's own whitespace only
 (" \\t\\n\\r": a form feed or an X is not whitespace); every error one line naming file:line where the
 problem is; a byte-order mark skipped; the size bound inclusive; a log's blank lines skipped, its torn
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from training import records as R
+from training.runfiles import json_records as R
 
 SURROGATE = "not valid Unicode text (a lone surrogate U+D800 at character 0; JSON escapes like \\ud800 must come in pairs)"
 

@@ -1,4 +1,4 @@
-"""A run that lives in object storage (training/remote.py, training/loop/mirror.py, docs/rented.md).
+"""A run that lives in object storage (training/store/remote_run.py, training/mirror/run_mirror.py, docs/rented.md).
 
 Every test talks to a real S3-compatible server on 127.0.0.1 (moto's server mode, tests/fixtures_remote.py)
 through real s3fs clients, and runs training/train.py as a user does:
@@ -14,7 +14,7 @@ through real s3fs clients, and runs training/train.py as a user does:
    non-zero, unless --allow-local-only.
 5. Bad input: an unknown scheme, a missing bucket, missing credentials, a URL holding another run or
    someone else's objects, s3fs not installed: one `error:` line each, nothing written anywhere.
-6. --data as a URL, for train.py and for SFT (training/remote_data.py): pulled once, checked, reused.
+6. --data as a URL, for train.py and for SFT (training/store/remote_data.py): pulled once, checked, reused.
 Exports and serving from a URL: tests/test_remote_export.py. Credentials never appear in any output or in any file written locally or remotely.
 """
 
@@ -38,8 +38,8 @@ from fixtures_reliability import REPO, SHRINK, call_main, child_env, one_error, 
 from fixtures_remote import TIMEOUT_S, bucket, committed_steps, no_secret, remote_argv, remote_env
 from safetensors.torch import load_file
 
-from training import layout
-from training.cli import EXIT_PREEMPTED
+from training.runfiles import layout
+from training.runfiles.cli_harness import EXIT_PREEMPTED
 
 POLL_S = 0.01
 STEPS, EVERY = 8, 2
@@ -288,7 +288,7 @@ def test_sft_data_as_a_url_is_pulled_once_and_trains_the_same(reference, aws, tm
     """training/sft.py --data s3://…: a folder of conversation files, or one file, pulled into
     ~/.cache/prodip/data/<hash> through the same path as train.py's --data (sizes and MD5 checked),
     reused by the next run; the weights equal a run on the same files given locally."""
-    from training import checkpoint as ckpt
+    from training.checkpoint import checkpoint_io as ckpt
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     fs = aws.fs()
@@ -326,7 +326,7 @@ def test_init_from_a_run_url_starts_from_its_newest_committed_checkpoint(bn_data
     """--init s3://BUCKET/RUN (train.py and sft.py): the run's newest committed checkpoint is pulled into
     an empty cache and the new run starts from exactly its weights — the same run as --init on the
     local folder the remote one was trained in. A URL that holds no run is one error line, nothing written."""
-    from training import checkpoint as ckpt
+    from training.checkpoint import checkpoint_io as ckpt
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # an empty cache: a new machine
     bucket(aws, "initb")

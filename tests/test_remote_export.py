@@ -1,4 +1,4 @@
-"""Exports of a run that lives in object storage (export.writeback, training.remote), against moto's
+"""Exports of a run that lives in object storage (export.writeback, training.store.remote_run), against moto's
 S3-compatible server on 127.0.0.1 with real s3fs clients (tests/fixtures_remote.py):
 
 - `python -m export gguf s3://BUCKET/RUN --q4` pulls the newest committed checkpoint (a partial upload
@@ -27,7 +27,7 @@ import s3fs  # noqa: F401
 from fixtures_reliability import REPO, one_error, tree_digest
 from fixtures_remote import TIMEOUT_S, bucket, no_secret, remote_argv, remote_env
 
-from training import layout
+from training.runfiles import layout
 
 
 def _export(env: dict, *argv: str) -> subprocess.CompletedProcess:

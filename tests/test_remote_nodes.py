@@ -1,4 +1,4 @@
-"""A run whose --out is a store URL, trained on several nodes (training/loop/mirror_nodes.py).
+"""A run whose --out is a store URL, trained on several nodes (training/mirror/node_caches.py).
 
 Two simulated nodes (one torchrun each, one CPU rank each, tests/test_distributed.py's torchrun_nodes),
 each with its own --cache folder (its own disk), against a real S3-compatible server on 127.0.0.1
@@ -31,8 +31,8 @@ from fixtures_reliability import tree_digest
 from fixtures_remote import bucket, committed_steps, no_secret
 from test_distributed import COMMON, STEPS, torchrun_nodes
 
-from training import checkpoint as ckpt
-from training import layout
+from training.checkpoint import checkpoint_io as ckpt
+from training.runfiles import layout
 
 TRAIN_PY = REPO / "training" / "train.py"
 
@@ -59,7 +59,7 @@ def _ok(nodes: list[subprocess.CompletedProcess]) -> None:
 
 def _copy_store(fs, src: str, dst: str, *, drop: tuple[int, ...] = (), uncommit: tuple[int, ...] = ()) -> None:
     """The store's run at `src` copied to `dst`, the checkpoints `drop` removed (marker first, as
-    training.remote does) and the markers of `uncommit` alone."""
+    training.store.remote_run does) and the markers of `uncommit` alone."""
     for key in fs.find(src):
         fs.copy(key, dst + key[len(src):])
     for s in drop:
@@ -165,10 +165,12 @@ def test_nodes_sharing_one_machine_take_turns_and_a_cache_ahead_of_node_0_is_ref
     from concurrent.futures import ThreadPoolExecutor
 
     from training import distributed as D
-    from training import remote
-    from training.loop.mirror import Mirror
-    from training.loop.mirror_nodes import NODE_FILES, pull_node, where
-    from training.loop.ranks import TrainError
+    from training.config_sections import MirrorSection
+    from training.loop.rank_agreement import TrainError
+    from training.mirror.node_caches import NODE_FILES, pull_node, where
+    from training.mirror.run_mirror import Mirror
+    from training.run_context import RunContext
+    from training.store import remote_run as remote
 
     downloads = []
     real = remote.Remote.download_checkpoint
@@ -182,7 +184,8 @@ def test_nodes_sharing_one_machine_take_turns_and_a_cache_ahead_of_node_0_is_ref
             "files": {n: (reference / n).read_bytes() if (reference / n).is_file() else None for n in NODE_FILES}}
 
     def node(rank: int, cache: Path) -> Mirror:
-        return Mirror("s3://nodes/ref", cache, D.Dist(rank, 0, 3, 1), None, print)
+        return Mirror(MirrorSection.default(out="s3://nodes/ref", cache=str(cache), keep_last=0),
+                      RunContext(D.Dist(rank, 0, 3, 1), out=cache))
 
     shared = tmp_path / "shared"
     with ThreadPoolExecutor(2) as pool:

@@ -2,7 +2,7 @@
 
 A checkpoint is planted with a live pickle payload (loading it with torch.load(weights_only=False)
 creates a marker file): in place of model.safetensors / optim.safetensors, and as *.pt / *.bin
-files beside a good checkpoint. Every loader (training.checkpoint, train.py's resume,
+files beside a good checkpoint. Every loader (training.checkpoint.checkpoint_io, train.py's resume,
 `python -m export`, serving.load / `python -m serving`) must refuse the first kind with a clear
 message, ignore the second, and the marker must never appear.
 """
@@ -21,8 +21,8 @@ import pytest
 import torch
 from fixtures_reliability import REPO, FileMaker, plant_pickle, run_cli, train_argv
 
-from training import checkpoint as ckpt
-from training import layout
+from training.checkpoint import checkpoint_io as ckpt
+from training.runfiles import layout
 
 REFUSAL = "never unpickles"
 PARALLEL_CLIS = 2

@@ -1,4 +1,4 @@
-"""training.schema's own rules, each stated from what a user must be told (README: "a clear one-line
+"""training.runfiles.schema's own rules, each stated from what a user must be told (README: "a clear one-line
 error naming the flag or file", "every unknown name suggests the nearest valid one"), not from its
 code. These are the cases the mutation run of tests/benchmarks/mutation.py found unpinned: a store
 URL scheme list, where a nested error sits, the wording a suggestion and a file error must carry.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from training import schema
-from training.schema import (
+from training.runfiles import schema
+from training.runfiles.schema import (
     LocalPath,
     PositiveInt,
     RunLocation,
@@ -160,7 +160,7 @@ def test_a_toml_file_is_read_as_utf8_under_an_ascii_locale(tmp_path: Path) -> No
     good.write_text('[train]\nnote = "বাংলা"\n', encoding="utf-8")
     env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
            "PYTHONPATH": str(Path(schema.__file__).resolve().parents[1])}
-    code = ("import locale, sys; from training.schema import read_toml; "
+    code = ("import locale, sys; from training.runfiles.schema import read_toml; "
             "print(locale.getpreferredencoding(False)); print(ascii(read_toml(sys.argv[1])))")
     r = subprocess.run([sys.executable, "-c", code, str(good)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]

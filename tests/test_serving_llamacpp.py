@@ -1,4 +1,4 @@
-"""serving.llamacpp's own decoding loop (llama.cpp's C API: batched prompt, sampler chain inside
+"""serving.backends.llamacpp_backend's own decoding loop (llama.cpp's C API: batched prompt, sampler chain inside
 llama.cpp, no logits copied to Python while generating) against llama-cpp-python's high-level
 `Llama.generate`, the loop the backend used before: the same tokens, greedy and seeded sampling, on
 the suite's trained tiny model exported to GGUF; logits through the KV cache equal the one-batch
@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.backend import SamplingParams
-from serving.llamacpp import GGML_TYPE_F32, LlamaCppBackend
-from serving.llamacpp_decode import PENALTY_LAST_N
+from serving.backend import PENALTY_LAST_N, SamplingParams
+from serving.backends.llamacpp_backend import GGML_TYPE_F32, LlamaCppBackend
 
 PROMPT = "আমাদের গ্রামের পাশ দিয়ে একটি ছোট নদী বয়ে গেছে। বর্ষায় নদী ভরে ওঠে,"
 N_NEW = 24

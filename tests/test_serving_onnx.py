@@ -1,4 +1,4 @@
-"""serving.onnxrt.OnnxBackend: the Backend contract over the exported graph, against PyTorch."""
+"""serving.backends.onnxrt_backend.OnnxBackend: the Backend contract over the exported graph, against PyTorch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 
 from serving import load
 from serving.backend import Backend, SamplingParams, ServingError
-from serving.onnxrt import OnnxBackend
+from serving.backends.onnxrt_backend import OnnxBackend
 
 # fixtures_onnx is both a plugin (session fixtures onnx_run, onnx_export, torch_model) and a helper module;
 # registering it for assertion rewriting first lets pytest load the plugin after this import.

@@ -18,14 +18,14 @@ from fixtures_serve import (
 
 from serving import load
 from serving.backend import SamplingParams, ServingError
+from serving.backends.torch_backend import TorchBackend
 from serving.chat_session import ChatSession, PromptTooLong, chat_stream, completion_stream, prepare_chat
 from serving.text_stream import REPLACEMENT_CHAR, TextStream, _held_tail
-from serving.torch_backend import TorchBackend
-from training.chat import encode
-from training.checkpoint import latest, load_model
-from training.model import Transformer, preset
-from training.text import script_counts
-from training.wellformed import wellformed
+from training.checkpoint.checkpoint_io import latest, load_model
+from training.model.decoder import Transformer, preset
+from training.text.chat_template import encode
+from training.text.normalization import script_counts
+from training.text.wellformed import wellformed
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
 
 def reference_reply(run, question: str, max_tokens: int) -> str:
     """The greedy chat reply without serving's chat, stream or CLI layers: the checkpoint through
-    TorchBackend.from_model (parity's reference), the prompt rendered by training.chat, the new tokens
+    TorchBackend.from_model (parity's reference), the prompt rendered by training.text.chat_template, the new tokens
     (up to the end of turn) decoded by the training tokenizer."""
     model, ck = load_model(run)
     ref = TorchBackend.from_model(model, ck.tokenizer, name="reference")
@@ -223,7 +223,7 @@ def reference_reply(run, question: str, max_tokens: int) -> str:
 
 
 def assert_wellformed_bangla(text: str, min_clusters: int = 10) -> None:
-    """The model's Bangla as a reader sees it (training.wellformed): every Bengali cluster valid, no byte
+    """The model's Bangla as a reader sees it (training.text.wellformed): every Bengali cluster valid, no byte
     sequence that is not UTF-8, and enough of it to mean something."""
     wf = wellformed(text)
     assert wf.clusters >= min_clusters and wf.share == 1.0 and wf.invalid_bytes == 0, (wf.to_dict(), text)

@@ -19,13 +19,15 @@ import pytest
 import torch
 from conftest import CHAT_SET, REPO, SHARED_DATA, shared_path
 
-from training import checkpoint as ckpt
-from training import layout, sft, sft_data
-from training.chat import CHAT_TEMPLATE, encode, render
-from training.data import ConversationLoader, DataError, collate
-from training.model import Transformer, preset, token_loss
-from training.text import normalize
-from training.tokenizer import train_tokenizer
+from training import sft
+from training.checkpoint import checkpoint_io as ckpt
+from training.data import sft_records as sft_data
+from training.data.loaders import ConversationLoader, DataError, collate
+from training.model.decoder import Transformer, preset, token_loss
+from training.runfiles import layout
+from training.text.chat_template import CHAT_TEMPLATE, encode, render
+from training.text.normalization import normalize
+from training.text.tokenizer import train_tokenizer
 
 ROOT = REPO
 CORPUS = ROOT / "training" / "assets" / "corpus"
@@ -270,12 +272,12 @@ def _tiny_checkpoint(run: Path, tok) -> Path:
 
 
 def export_gguf_f16(run: Path, out: Path) -> Path:
-    """F16 GGUF of `run` through export.gguf (skips while that module is not there)."""
+    """F16 GGUF of `run` through export.gguf.gguf_export (skips while that module is not there)."""
     try:
-        from export.gguf import write_gguf
+        from export.gguf.gguf_export import write_gguf
         from export.manifest import load_source
     except ImportError as e:
-        pytest.skip(f"export.gguf is not available yet ({e}); the GGUF checks need it")
+        pytest.skip(f"export.gguf.gguf_export is not available yet ({e}); the GGUF checks need it")
     return write_gguf(load_source(run), out, "F16")
 
 

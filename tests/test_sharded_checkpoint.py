@@ -25,7 +25,7 @@ import preloaded  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from training import checkpoint as ckpt  # noqa: E402
+from training.checkpoint import checkpoint_io as ckpt  # noqa: E402
 
 STOP = 4  # the step the sharded run is stopped at and resumed from (the reference saves it too)
 WORLD = 2
@@ -176,7 +176,7 @@ def test_a_single_process_resumes_a_sharded_checkpoint(runs: dict, bn_data: Path
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
 def test_row_split_is_torch_chunks(rows: int, parts: int) -> None:
     """FSDP2 shards dim 0 as torch.chunk does; ranks past the last chunk hold no rows."""
-    from training.distributed_shards import chunk_rows
+    from training.checkpoint.fsdp_shards import chunk_rows
 
     chunks = [c.tolist() for c in torch.arange(rows).chunk(parts)] if rows else []
     chunks += [[]] * (parts - len(chunks))

@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO
 from test_docs import find_build_parser, parse_with
 
-from training.cli import EXIT_PREEMPTED
+from training.runfiles.cli_harness import EXIT_PREEMPTED
 
 TASK = REPO / "deploy" / "skypilot" / "train-400m.yaml"
 SKY_VENV = Path(os.environ.get("PRODIP_SKYPILOT_VENV", "~/.cache/prodip/skypilot-venv")).expanduser()

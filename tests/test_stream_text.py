@@ -1,6 +1,6 @@
 """Streamed text never shows U+FFFD (issue 31): a real model forced to emit byte-fallback tokens.
 
-The model is a real prodip checkpoint (training.model, saved by training.checkpoint) whose weights make
+The model is a real prodip checkpoint (training.model.decoder, saved by training.checkpoint.checkpoint_io) whose weights make
 greedy decoding follow a fixed cycle of tokens, whatever the prompt:
 
     আ  <0xE2> <0x82> <0xAC>  <0xE0>  ম    (then আ again)
@@ -27,12 +27,13 @@ from fastapi.testclient import TestClient
 
 from serving import SamplingParams, load
 from serving.chat_session import completion_stream
-from serving.http import ServerConfig, create_app
+from serving.server.http_app import ServerConfig, create_app
 from serving.text_stream import text_decoder
-from training import checkpoint, layout
-from training.model import ModelConfig, Transformer
-from training.tokenizer import Tokenizer
-from training.wellformed import REPLACEMENT, Utf8Text, decode_utf8, wellformed
+from training.checkpoint import checkpoint_io as checkpoint
+from training.model.decoder import ModelConfig, Transformer
+from training.runfiles import layout
+from training.text.tokenizer import Tokenizer
+from training.text.wellformed import REPLACEMENT, Utf8Text, decode_utf8, wellformed
 
 CYCLE_TEXT = ("আ", b"\xe2", b"\x82", b"\xac", b"\xe0", "ম")  # a piece's text, or the byte of a byte piece
 LOGIT = 10.0  # output weight along a token's axis: its successor's logit is LOGIT * sqrt(d_model) = 80, others 0

@@ -1,4 +1,4 @@
-"""training.text: the one normalization (NFC + BOM/CR cleanup) and the script-based language detection."""
+"""training.text.normalization: the one normalization (NFC + BOM/CR cleanup) and the script-based language detection."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from conftest import ORTHOGRAPHY, TATOEBA, shared_path
 from fixtures_tokenizer import BN_FILES, shipped_lines
 
-from training.text import (
+from training.text.normalization import (
     BOM,
     NUKTA,
     ZWJ,

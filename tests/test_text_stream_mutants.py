@@ -9,6 +9,7 @@ the same on a real model through every runtime (it trains and exports: minutes p
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -20,12 +21,14 @@ from serving.text_stream import (
     RECENT_STATS,
     GenerationProbe,
     GenerationStats,
+    ModelTurns,
+    OwnTurn,
     TextStream,
     _held_tail,
     bytes_decoder,
     text_decoder,
 )
-from training.wellformed import REPLACEMENT
+from training.text.wellformed import REPLACEMENT
 
 BN = "আম"  # two Bengali letters, 3 UTF-8 bytes each
 B = BN.encode()
@@ -275,9 +278,20 @@ def test_a_consumer_closing_the_stream_cancels_the_generation():
     assert s.stats.finish_reason == "cancelled" and backend.closed and backend.yielded == 1
 
 
+class Arrived:
+    """A server's turn: it came at once, for a request that arrived at `at` (serving.server.scheduler.Job's)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    @contextlib.contextmanager
+    def hold(self, stats: GenerationStats):
+        stats.queued_at, stats.started_at = self.at, time.perf_counter()
+        yield
+
+
 def test_timing_is_recorded_in_order():
-    s, _ = stream(b"a", b"b")
-    s.stats.queued_at = 1.0  # a server sets it when the request arrived: kept
+    s, _ = stream(b"a", b"b", turn=Arrived(1.0))  # the request's arrival comes with its turn: kept
     list(s)
     st = s.stats
     assert st.queued_at == 1.0 and st.started_at is not None and st.ended_at is not None
@@ -291,36 +305,50 @@ def test_timing_is_recorded_in_order():
     assert none.stats.finish_reason == "stop" and none.stats.completion_tokens == 0
 
 
-def test_the_lock_is_held_for_the_whole_generation_and_the_probe_counts_it():
-    lock, probe, seen = threading.Lock(), GenerationProbe(), []
+def test_the_models_turn_is_held_for_the_whole_generation_and_its_probe_counts_it():
+    turns, seen = ModelTurns(), []
     pieces, script = pieces_of(b"a", b"b")
-    backend = Scripted(pieces, script, on_token=lambda n: seen.append((lock.locked(), probe.snapshot()["active"])))
-    s = TextStream(backend, [1], SamplingParams(max_new_tokens=10), lock=lock, probe=probe)
-    assert "".join(s) == "ab" and not lock.locked()
+    backend = Scripted(pieces, script, on_token=lambda n: seen.append((turns.locked(), turns.probe.snapshot()["active"])))
+    s = TextStream(backend, [1], SamplingParams(max_new_tokens=10), turns)
+    assert not turns.locked()  # made, not started: the turn is taken when the generation starts
+    assert "".join(s) == "ab" and not turns.locked()
     assert seen == [(True, 1), (True, 1)]
-    snap = probe.snapshot()
+    snap = turns.probe.snapshot()
     assert (snap["peak_waiting"], snap["waiting"], snap["finished"], snap["active"]) == (1, 0, 1, 0)
-    assert list(probe.recent) == [s.stats]
-    no_lock, _ = stream(b"a", probe=(p2 := GenerationProbe()))
-    list(no_lock)
-    assert p2.snapshot()["peak_waiting"] == 0 and p2.snapshot()["finished"] == 1
+    assert list(turns.probe.recent) == [s.stats]
+    assert s.stats.queued_at <= s.stats.started_at
+    own = OwnTurn()
+    list(stream(b"a", turn=own)[0])
+    assert own.probe.snapshot()["peak_waiting"] == 0 and own.probe.snapshot()["finished"] == 1
 
 
-def test_the_lock_is_released_when_the_consumer_stops_early():
-    lock = threading.Lock()
-    s, _ = stream(b"a", b"b", lock=lock)
+def test_a_second_generation_waits_for_the_models_turn():
+    # one generation at a time per model: a stream started while another holds the turn waits (counted)
+    turns, order = ModelTurns(), []
+    first, _ = stream(b"a", b"b", turn=turns)
+    it = iter(first)
+    assert next(it) == "a" and turns.locked()
+    second, _ = stream(b"c", turn=turns)
+    t = threading.Thread(target=lambda: order.append("".join(second)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while turns.probe.snapshot()["waiting"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert turns.probe.snapshot()["waiting"] == 1 and order == []  # it waits while the first holds the turn
+    assert "".join(it) == "b"
+    t.join(10)
+    assert order == ["c"] and turns.probe.snapshot()["finished"] == 2 and not turns.locked()
+
+
+def test_the_turn_is_released_when_the_consumer_stops_early():
+    turns = ModelTurns()
+    s, _ = stream(b"a", b"b", turn=turns)
     it = iter(s)
     next(it)
-    assert lock.locked()
+    assert turns.locked()
     it.close()
-    assert not lock.locked()
-
-
-def test_sampling_params_are_checked_when_the_stream_is_made():
-    from serving.backend import ServingError
-
-    with pytest.raises(ServingError, match="max_new_tokens"):
-        TextStream(Scripted({}, []), [1], SamplingParams(max_new_tokens=0))
+    assert not turns.locked()
+    assert turns.probe.snapshot()["finished"] == 1
 
 
 def test_the_backend_is_asked_for_the_prompts_ids_and_closed_when_the_stream_ends():

@@ -6,7 +6,7 @@ threshold catches".
 The plant is made in the cheapest place that is still real: the suite's trained tiny model (conftest's
 tiny_run) is the reference, and one of its weights is changed in memory, while the candidate is the
 unchanged exported file (GGUF F16/Q8_0/Q4_K_M, ONNX fp32/int8/int4) opened by serving.load, compared by
-export.parity's own logit_metrics and judged by its own failures_of against DEFAULT_THRESHOLDS. A reference
+export.parity.native_parity's own logit_metrics and judged by its own failures_of against DEFAULT_THRESHOLDS. A reference
 whose layer is scaled by 1+e against a faithful export is the same comparison as a faithful reference
 against an export whose layer is scaled by 1/(1+e): what the threshold sees is the defect plus the
 format's own rounding, as it would on a user's export.
@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 import torch
 
-import export.parity as P
+import export.parity.native_parity as P
 import serving
-from serving.onnxrt import VARIANT_FILES
-from serving.torch_backend import TorchBackend
-from training import checkpoint
-from training.model import Transformer
+from serving.backends.onnxrt_backend import VARIANT_FILES
+from serving.backends.torch_backend import TorchBackend
+from training.checkpoint import checkpoint_io as checkpoint
+from training.model.decoder import Transformer
 
 PLANTED = "layers.0.feed_forward.w2.weight"
 BLOCK = 32  # weights per quantization block (Q8_0, Q4_K sub-blocks)
@@ -79,7 +79,7 @@ def planted(model: Transformer, plant: str, size: float) -> Transformer:
 
 
 def reference(model: Transformer, tok) -> P.Reference:
-    """export.parity's Reference on the prompt set, without the greedy continuations (not judged here)."""
+    """export.parity.native_parity's Reference on the prompt set, without the greedy continuations (not judged here)."""
     backend = TorchBackend.from_model(model, tok, name=P.REFERENCE_NAME)
     prompts = P.prompt_set(tok, backend.n_ctx)
     ids = [tok.encode(p, bos=True) for p in prompts]
@@ -189,8 +189,8 @@ def test_the_fp32_compiled_vs_eager_tolerance_catches_one_matrix_scaled_by_1_002
     """The gate runs before training, so on a freshly initialized model: the tiny preset at init, one 2x64
     batch. Measured (2026-12-06, CPU): e = 2e-3 gives a worst relative error of 1.76e-3 (> 1e-3: fails, 16
     tensors named), e = 1e-3 gives 8.8e-4 (passes); an unplanted eager path measures 0, inductor on CPU <= 5e-7."""
-    from training.gates.model import TOLERANCE, compiled_vs_eager
-    from training.model import preset
+    from training.gates.model_gates import TOLERANCE, compiled_vs_eager
+    from training.model.decoder import preset
 
     assert TOLERANCE["fp32"] == (1e-3, 1e-3)
     torch.manual_seed(0)

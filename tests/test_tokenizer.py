@@ -1,4 +1,4 @@
-"""training.tokenizer: the same text always reaches the model as the same ids (CPU, offline).
+"""training.text.tokenizer: the same text always reaches the model as the same ids (CPU, offline).
 
 A small tokenizer is trained on the Bangla + English text that ships in training/assets/corpus, exactly
 as training.prepare trains it; Tatoeba lines (../shared/data) add opt-in breadth.
@@ -11,8 +11,8 @@ from conftest import CORPUS, ORTHOGRAPHY, TATOEBA, shared_path
 from fixtures_tokenizer import shipped_lines, write_subset
 
 from training.prepare import iter_file_docs, resolve_inputs
-from training.text import NUKTA, ZWJ, ZWNJ, normalize
-from training.tokenizer import BOS_ID, EOS_ID, IM_END, IM_START, UNK_ID, train_tokenizer
+from training.text.normalization import NUKTA, ZWJ, ZWNJ, normalize
+from training.text.tokenizer import BOS_ID, EOS_ID, IM_END, IM_START, UNK_ID, train_tokenizer
 
 VOCAB = 2000
 SUBSET_BYTES = 200_000

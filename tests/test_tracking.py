@@ -13,10 +13,10 @@ import pytest
 from conftest import REPO, run_train
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from training import layout
-from training.metrics import StepLog
-from training.schema import SchemaError
-from training.tracking import TENSORBOARD_DIR, open_tracker
+from training.runfiles import layout
+from training.runfiles.schema import SchemaError
+from training.telemetry.step_metrics import StepLog
+from training.telemetry.tracking import TENSORBOARD_DIR, open_tracker
 
 
 def scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
@@ -99,7 +99,7 @@ def test_without_the_package_one_clear_error(tmp_path: Path) -> None:
     shim = tmp_path / "shim" / "tensorboard"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text('raise ImportError("No module named tensorboard")\n')
-    code = ("from pathlib import Path; from training.metrics import StepLog\n"
+    code = ("from pathlib import Path; from training.telemetry.step_metrics import StepLog\n"
             f"StepLog(Path({str(tmp_path / 'run.jsonl')!r}), log_to='tensorboard')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": f"{shim.parent}{os.pathsep}{REPO}"})

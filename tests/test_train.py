@@ -8,8 +8,8 @@ from pathlib import Path
 
 from conftest import run_train
 
-from training import checkpoint as ckpt
-from training import layout
+from training.checkpoint import checkpoint_io as ckpt
+from training.runfiles import layout
 
 FAST = ["--preset", "tiny", "--batch-size", "4", "--grad-accum", "2", "--seq-len", "64", "--log-every", "1000"]
 

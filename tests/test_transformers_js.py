@@ -28,7 +28,7 @@ NEW_TOKENS = 24
 # a token, where a repetition penalty would show) and two end at </s> after 6-7 tokens.
 GENERATE = ["আমার সোনার বাংলা", "আমি ভাত খাই এবং", "The quick brown fox", "Dhaka is the capital of",
             "Hello, my name is"]
-# Tokenizer-only prompts: what training.text.normalize changes (CRLF, a BOM, a nukta written apart),
+# Tokenizer-only prompts: what training.text.normalization.normalize changes (CRLF, a BOM, a nukta written apart),
 # digits in both scripts, an emoji (byte fallback), runs of spaces and a tab.
 TOKENIZE = ["ঢাকা ও কলকাতা: 2024 সালে ৩৫% মানুষ — Bangla and English, mixed!",
             "য\u09bc নুকতা আলাদা করে লেখা\r\nআর CRLF", "\ufeffবিওএম দিয়ে শুরু", "emoji 😀 and tabs\tand  two  spaces"]
@@ -54,15 +54,15 @@ def tjs(onnx_export) -> dict:
 
 @pytest.fixture(scope="module")
 def ort(onnx_export):
-    from serving.onnxrt import OnnxBackend
+    from serving.backends.onnxrt_backend import OnnxBackend
 
     out, _ = onnx_export
     return OnnxBackend(out, threads=1)
 
 
 def test_transformers_js_tokenizes_as_training(tjs, onnx_run):
-    from training import layout
-    from training.tokenizer import Tokenizer
+    from training.runfiles import layout
+    from training.text.tokenizer import Tokenizer
 
     assert tjs["version"] == VERSION and tjs["model_type"] == "llama"
     tok = Tokenizer.load(onnx_run / layout.TOKENIZER)  # the run's own, as training encodes
@@ -88,11 +88,11 @@ def test_greedy_ids_equal_onnx_runtime(tjs, ort):
 def test_one_repetition_penalty_and_greedy_is_not_penalised(tjs, onnx_export, onnx_run):
     """Serving's default (SamplingParams) is what generation_config.json of both exports and GenAI's config
     carry, and it is 1.0: HF generate and transformers.js apply a penalty in greedy decoding too."""
-    from export.genai import genai_config
-    from export.hf import generation_config
+    from export.hf.hf_export import generation_config
     from export.manifest import load_source
-    from serving.http_requests import sampling_from_body
-    from serving.onnxrt import read_config
+    from export.onnx.genai import genai_config
+    from serving.backends.onnxrt_backend import read_config
+    from serving.server.http_requests import sampling_from_body
 
     out, _ = onnx_export
     default = SamplingParams().repetition_penalty
@@ -138,12 +138,12 @@ def test_an_export_with_the_old_data_name_still_serves_and_verifies(onnx_export,
     file, linked into GenAI's folder."""
     import onnx
 
-    from export.genai import write_genai_files
     from export.manifest import Manifest, load_source
+    from export.onnx.genai import write_genai_files
     from export.verify import verify
     from serving import load
+    from serving.backends.onnxrt_backend import CONFIG_FILE, TOKENIZER_FILE
     from serving.export_files import check_before_load, files_read_by, read
-    from serving.onnxrt import CONFIG_FILE, TOKENIZER_FILE
 
     out, _ = onnx_export
     old = tmp_path / "export" / "onnx"

@@ -2,8 +2,8 @@
 and an fp32 ONNX file, then `python -m export web RUN`, and served by `python -m serving RUN --web` as a user
 starts it; one headless Chromium session (Debian's chromium through Playwright) drives every page:
 
-- browser parity (export.browser_parity's rows, what `python -m export parity RUN --browser` adds): on every
-  parity prompt (export.parity's), each page's greedy ids through `window.prodip.generate` equal the native
+- browser parity (export.parity.browser_parity's rows, what `python -m export parity RUN --browser` adds): on every
+  parity prompt (export.parity.native_parity's), each page's greedy ids through `window.prodip.generate` equal the native
   runtime's on the same file (wllama vs llama-cpp-python, onnxruntime-web vs ONNX Runtime), its tokenizer ids
   equal, its probabilities within their measured bounds; a row that compared nothing fails;
 - no request of any page leaves 127.0.0.1;
@@ -25,7 +25,7 @@ from conftest import REPO, stop
 from fixtures_serve import BN_QUESTION
 from test_browser import BOXES_JS, free_port, wait_for_http
 
-from training.text import script_counts
+from training.text.normalization import script_counts
 
 pytestmark = [pytest.mark.browser]
 REPLY_TIMEOUT_MS = 120_000
@@ -35,9 +35,9 @@ RUNTIMES = ("wllama", "onnxruntime-web")
 def export_run(serve_run: Path, root: Path) -> Path:
     """A copy of the chat run with a Q4_K_M GGUF, an fp32 ONNX export and its web export (the CLI, in process)."""
     from export.__main__ import main as export_main
-    from export.gguf import export_gguf
+    from export.gguf.gguf_export import export_gguf
     from export.manifest import Manifest, default_out_dir, load_source
-    from export.onnx import export_onnx
+    from export.onnx.onnx_export import export_onnx
 
     run = root / "run"
     shutil.copytree(serve_run, run)
@@ -78,7 +78,7 @@ def web_url(web_run):
 @pytest.fixture(scope="module")
 def session():
     """One Chromium for the module, and every URL any of its pages requested."""
-    from export.browser_parity import chromium, require_browser
+    from export.parity.browser_parity import chromium, require_browser
 
     with chromium(require_browser()) as browser:
         yield browser, []
@@ -86,9 +86,9 @@ def session():
 
 @pytest.fixture(scope="module")
 def rows(web_run, web_url, session) -> tuple[list[dict], list[str]]:
-    from export.browser_parity import browser_rows
     from export.manifest import load_source
-    from export.parity import DEFAULT_NEW_TOKENS, prompt_set
+    from export.parity.browser_parity import browser_rows
+    from export.parity.native_parity import DEFAULT_NEW_TOKENS, prompt_set
 
     src = load_source(web_run)
     prompts = prompt_set(src.tokenizer, src.config.max_seq_len)

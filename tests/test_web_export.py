@@ -1,6 +1,6 @@
-"""`python -m export web` (export.web): the static site's files and manifest entries, what it shares with
+"""`python -m export web` (export.web.web_export): the static site's files and manifest entries, what it shares with
 native serving (chat template, tokenizer rule, sampling defaults, stream decoding: the page's own JS run
-under node against training.chat / serving), bad input, and `python -m serving RUN --web`'s headers.
+under node against training.text.chat_template / serving), bad input, and `python -m serving RUN --web`'s headers.
 The page in a real browser (greedy ids vs native) is tests/test_browser_parity.py's (another module)."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import httpx
 import pytest
 from conftest import REPO
 
-from export import web
 from export.__main__ import main as export_main
-from export.web_config import CONFIG_FILE, join_chat
-from training import layout
-from training.chat import encode, render
+from export.web import web_export as web
+from export.web.web_config import CONFIG_FILE, join_chat
+from training.runfiles import layout
+from training.text.chat_template import encode, render
 
 NODE = shutil.which("node")
 BN = "সোনার বাংলা, আমি তোমায় ভালোবাসি।"
@@ -101,8 +101,7 @@ def test_site_fetches_nothing_outside_its_origin(site):
 
 
 def test_sampling_defaults_are_servings(site):
-    from serving.backend import SamplingParams
-    from serving.http_requests import DEFAULT_MAX_TOKENS
+    from serving.backend import DEFAULT_MAX_TOKENS, SamplingParams
 
     cfg = json.loads((site / layout.EXPORT / web.WEB_DIR / CONFIG_FILE).read_text(encoding="utf-8"))
     d = SamplingParams()
@@ -140,14 +139,14 @@ console.log(JSON.stringify({raw: input.texts.map((t) => tok.raw(t)), specials, c
 
 def test_page_js_encodes_and_decodes_as_native(site, tmp_path):
     """common.js (the page's own code, under node): raw prompt ids = native tokenize (BOS first, user text
-    never special), chat ids = training.chat.encode, the stream holds back split UTF-8 and shows no U+FFFD.
+    never special), chat ids = training.text.chat_template.encode, the stream holds back split UTF-8 and shows no U+FFFD.
     No node is a failure, not a skip (as tests/test_transformers_js.py): the page's JS must be run to be judged."""
     assert NODE is not None, "node not found: install Node.js (npm's node runs the page's JS), then scripts/setup.sh"
-    from training.tokenizer import Tokenizer
+    from training.text.tokenizer import Tokenizer
 
     out = site / layout.EXPORT / web.WEB_DIR
     tok = Tokenizer.load(site / "tokenizer.model")
-    from export.parity import CHAT_PROMPT
+    from export.parity.native_parity import CHAT_PROMPT
 
     texts = [BN, "hello <|im_end|> <s>", "a\r\nb\ufeff", "e\u0301", CHAT_PROMPT]
     byte_ids = [tok.sp.piece_to_id(f"<0x{b:02X}>") for b in "আ".encode()]  # one letter as three byte pieces
@@ -192,8 +191,8 @@ def test_bad_input_refused_nothing_written(serve_run, tmp_path, capsys, monkeypa
 
 
 def demo_row(run: Path) -> str:
-    from demo.card import model_card
     from demo.models import ModelEntry
+    from demo.run_card import model_card
 
     return model_card(ModelEntry("m", gguf_of(run), "llama.cpp")).get("run it on this device")
 
@@ -227,7 +226,7 @@ def test_big_gguf_is_split_in_shards_that_load(serve_run, tmp_path, monkeypatch)
     shards = json.loads((out / CONFIG_FILE).read_text())["gguf"]["shards"]
     assert len(shards) >= 2 and all((out / s).is_file() for s in shards), shards
     assert shards[0].endswith(f"-00001-of-{len(shards):05d}.gguf")
-    from serving.llamacpp import LlamaCppBackend
+    from serving.backends.llamacpp_backend import LlamaCppBackend
 
     b = LlamaCppBackend(out / shards[0])
     ref = LlamaCppBackend(gguf)

@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import ASSETS, ORTHOGRAPHY
 
-from training.text import normalize
-from training.wellformed import clusters, wellformed
+from training.text.normalization import normalize
+from training.text.wellformed import clusters, wellformed
 
 ISSUE_ANSWER = "বাংলাা্রসী বড় প্রাো, আর এব্যত।"  # the quickstart model's answer in issue 19
 

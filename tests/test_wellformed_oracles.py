@@ -1,11 +1,11 @@
-"""training/wellformed.py on hand-built inputs (#46 item 3, the `wellformed` mutation target), from the module's
+"""training/text/wellformed.py on hand-built inputs (#46 item 3, the `wellformed` mutation target), from the module's
 requirements: strict UTF-8 decoding by Unicode's maximal-subpart rule (an incomplete sequence at the end
 held back unless final), SentencePiece-style byte markers, stray marks extending the cluster before them,
 joiners stray only beside Bengali, shares of 1.0 for text with nothing Bengali, and at most 10 examples."""
 
 from __future__ import annotations
 
-from training.wellformed import (
+from training.text.wellformed import (
     MAX_EXAMPLES,
     WellFormed,
     byte_marker,

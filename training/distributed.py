@@ -9,7 +9,7 @@ on several (LOCAL_WORLD_SIZE < WORLD_SIZE) an HSDP 2-D mesh that shards within a
 replicates across nodes (the slower network carries only one gradient all-reduce per step).
 Checkpoints hold the model and optimizer state keyed by parameter name: gathered whole to rank 0
 (torch.distributed.checkpoint's state-dict API, `full_model_state`), or under FSDP2 by default each
-rank's own shards (training.distributed_shards, no collective; training.checkpoint reassembles
+rank's own shards (training.checkpoint.fsdp_shards, no collective; training.checkpoint.checkpoint_io reassembles
 them). Either way a run resumes under any world size and the single-process exporter reads it; on
 resume rank 0 alone reads it and broadcasts one tensor at a time (`load_full_state`), so no other
 rank holds the full state in RAM.
@@ -208,7 +208,7 @@ def compile_blocks(model: nn.Module) -> None:
     as torchtitan does: the wrappers' hooks and collectives stay outside the compiled code, so neither
     splits the graph (no DDP bucket splitting, no graph break at each `fully_shard` boundary), and the
     blocks share one graph (same code, parameters as inputs). Names and state dicts are unchanged.
-    The loss's per-chunk softmax is compiled too where that pays (training.model.COMPILE_LOSS_DEVICES)."""
+    The loss's per-chunk softmax is compiled too where that pays (training.model.decoder.COMPILE_LOSS_DEVICES)."""
     for layer in model.layers:
         layer.compile()
     model.compile_loss = True

@@ -10,13 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-from training.config import TrainConfig
+from training.config_sections import StepSection
 from training.schedule import lr_at
+from training.train_config import TrainConfig
 
 Schedule = Callable[..., float]  # lr_at's signature: (step, *, max_lr, total, warmup, schedule, min_ratio, decay_frac)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig | StepSection, device: torch.device) -> torch.optim.Optimizer:
     """AdamW; no weight decay on norms (1-D params). The fused kernel on CUDA (--fused-optimizer auto)."""
     decay, no_decay = [], []
     for p in model.parameters():
@@ -27,7 +28,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, **extra)
 
 
-def uses_fused(cfg: TrainConfig, device: torch.device) -> bool:
+def uses_fused(cfg: TrainConfig | StepSection, device: torch.device) -> bool:
     """Fused AdamW: on CUDA by default; elsewhere only when asked (on CPU it rounds differently from the
     for-loop AdamW that CPU runs have always used)."""
     return cfg.fused_optimizer == "on" or (cfg.fused_optimizer == "auto" and device.type == "cuda")
@@ -44,7 +45,7 @@ def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> No
         del optimizer.found_inf
 
 
-def lr_for_step(cfg: TrainConfig, step: int, total_steps: int, schedule: Schedule = lr_at) -> float:
+def lr_for_step(cfg: TrainConfig | StepSection, step: int, total_steps: int, schedule: Schedule = lr_at) -> float:
     """The learning rate of optimizer step `step` (1-based) under cfg's schedule."""
     return schedule(step, max_lr=cfg.lr, total=total_steps, warmup=cfg.warmup_steps, schedule=cfg.schedule,
                     min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)

@@ -2,13 +2,13 @@
 
     python training/sft.py --init RUN_OR_CHECKPOINT --data FILE.jsonl [--data FILE2.jsonl] --out SFT_RUN
            [--epochs 3 | --max-steps N] [every training/train.py flag that makes sense]
-    --data may be a store URL (s3://BUCKET/PREFIX: one file or a folder of them), pulled once (training.remote_data).
+    --data may be a store URL (s3://BUCKET/PREFIX: one file or a folder of them), pulled once (training.store.remote_data).
 
 Records are JSONL (or one JSON array) in any of these shapes:
     {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}    (OpenAI-style)
     {"instruction": ..., "input": ..., "output": ..., "system"?: ...}               (Alpaca)
     {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}       (ShareGPT)
-Each conversation is rendered by training.chat (the one ChatML template) into its own row of
+Each conversation is rendered by training.text.chat_template (the one ChatML template) into its own row of
 seq_len + 1 tokens, right-padded with <pad>: one conversation per row, so with causal attention no
 conversation can attend to another, and padding never reaches a real token. The loss counts
 assistant tokens only (their content and the <|im_end|> that ends the turn): with y = ids shifted by
@@ -23,7 +23,7 @@ held-out conversation also in training (data.train_val_disjoint), and --seq-len 
 most 25 % of the training conversations are cut or dropped (data.truncation). Either failing is one
 `error:` line and exit 2; gates.json records both again with the other pre-flight gates.
 
---lora-rank R trains LoRA adapters instead of every weight (training.lora, training.lora_run): the --init
+--lora-rank R trains LoRA adapters instead of every weight (training.model.lora, training.lora_run): the --init
 model frozen, rank-R adapters on the linears --lora-targets names (default all seven), adapter-only
 checkpoints that name the base by path and sha256, and the adapter gates (training.gates.adapters).
 """
@@ -48,20 +48,20 @@ from pathlib import Path
 
 import torch
 
-from training import checkpoint as ckpt
-from training import layout
-from training.cli import ArgumentParser, run_main
-from training.config import ConfigError, TrainConfig, add_train_flags, given_keys
-from training.config import config_from_args as train_config_from_args
-from training.data import Row, collate
-from training.files import Input, check_apart
-from training.lora import LoRAError, LoRASpec, add_lora_flags, spec_from_args
-from training.model import ModelConfig
-from training.remote import RemoteError, is_url
-from training.remote_data import PULLED, local_init, pull_data
-from training.schema import PositiveFloat, SchemaError, flag
-from training.sft_data import KIND, SFTData, SFTError
-from training.tokenizer import Tokenizer
+from training.checkpoint import checkpoint_io as ckpt
+from training.data.loaders import Row, collate
+from training.data.sft_records import KIND, SFTData, SFTError
+from training.model.decoder import ModelConfig
+from training.model.lora import LoRAError, LoRASpec, add_lora_flags, spec_from_args
+from training.runfiles import layout
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.file_ops import Input, check_apart
+from training.runfiles.schema import PositiveFloat, SchemaError, flag
+from training.store.remote_data import PULLED, local_init, pull_data
+from training.store.remote_run import RemoteError, is_url
+from training.text.tokenizer import Tokenizer
+from training.train_config import ConfigError, TrainConfig, add_train_flags, given_keys
+from training.train_config import config_from_args as train_config_from_args
 from training.trainer import RESUME_HINT, USER_ERRORS, Trainer
 
 REPORT_FILE = "sft_data.json"
@@ -191,7 +191,7 @@ def compare_heldout(init_dir: Path, out: Path, data: SFTData, cfg: TrainConfig, 
     res = {"conversations": len(rows)}
     for key, path in (("init_loss", init_dir), ("sft_loss", out)):
         if adapter and key == "sft_loss":
-            from training.lora_run import load_adapted
+            from training.checkpoint.adapter_io import load_adapted
 
             model, _ = load_adapted(path, device=device)
             ck_path = ckpt.resolve(path)
@@ -208,7 +208,7 @@ def compare_heldout(init_dir: Path, out: Path, data: SFTData, cfg: TrainConfig, 
 
 # ------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    """Every flag of the training loop (training.config.add_train_flags), with SFT's own --data, --init
+    """Every flag of the training loop (training.train_config.add_train_flags), with SFT's own --data, --init
     and --epochs."""
     p = ArgumentParser(prog="python training/sft.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def local_data(files: Sequence[str]) -> list[str]:
     """--data as local files: a store URL (one JSONL/JSON file, or a folder of them) is pulled once into
-    ~/.cache/prodip/data/ with its checksums checked (training.remote_data, as train.py's --data), and
+    ~/.cache/prodip/data/ with its checksums checked (training.store.remote_data, as train.py's --data), and
     stands for the .jsonl/.json files there in name order; local files are kept as given."""
     out = []
     for f in files:
@@ -250,7 +250,7 @@ def local_data(files: Sequence[str]) -> list[str]:
 
 
 def local_init_run(init: str) -> str:
-    """--init as a local path (a run at a store URL pulled first: training.remote_data.local_init)."""
+    """--init as a local path (a run at a store URL pulled first: training.store.remote_data.local_init)."""
     say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)
     try:
         return local_init(init, say)

@@ -5,7 +5,7 @@ position, optimizer moments, schedule and RNG states are restored, and log.jsonl
 run had never stopped. Pre-flight gates (training.gates) must pass before step 1.
 
 `--plan` prints the run's size, memory per GPU, time and cost, and exits without allocating or writing
-anything (training.plan). A preset's grad_accum is its recipe's for one GPU: under torchrun on W GPUs
+anything (training.run_plan). A preset's grad_accum is its recipe's for one GPU: under torchrun on W GPUs
 each process accumulates 1/W of it, so the tokens per step stay the recipe's (a --grad-accum given
 by flag, --config or --set is per process, as written).
 """
@@ -22,8 +22,13 @@ import argparse
 import os
 import sys
 
-from training.cli import ArgumentParser, run_main
-from training.config import (
+from training.data.loaders import pretraining_data
+from training.model.decoder import Transformer
+from training.run_plan import add_plan_flags, per_gpu_grad_accum, plan, world_size
+from training.runfiles.cli_harness import ArgumentParser, run_main
+from training.runfiles.schema import SchemaError
+from training.schedule import lr_at
+from training.train_config import (
     ConfigError,
     TrainConfig,
     add_train_flags,
@@ -31,11 +36,6 @@ from training.config import (
     given_keys,
     preset_train,
 )
-from training.data import pretraining_data
-from training.model import Transformer
-from training.plan import add_plan_flags, per_gpu_grad_accum, plan, world_size
-from training.schedule import lr_at
-from training.schema import SchemaError
 from training.trainer import RESUME_HINT, USER_ERRORS, Trainer
 
 

@@ -15,26 +15,30 @@ from pathlib import Path
 
 import torch
 
-from training import checkpoint as ckpt
+from training import config_sections as sections
 from training import distributed as D
 from training import optim
-from training.config import TrainConfig
-from training.data import Prefetcher
-from training.loop.checkpointer import Checkpointer, Live
-from training.loop.checks import RuntimeChecks
+from training.checkpoint import checkpoint_io as ckpt
+from training.data.loaders import Prefetcher
+from training.loop.checkpointer import Checkpointer
 from training.loop.early_stopping import EarlyStopping
-from training.loop.inputs import DataFactory, RunInputs
-from training.loop.metrics_logger import MetricsLogger
 from training.loop.preemption import PreemptionStop
-from training.loop.preflight import Preflight
-from training.loop.ranks import USER_ERRORS, TrainError, agreed
+from training.loop.preflight_runner import Preflight
+from training.loop.rank_agreement import USER_ERRORS, TrainError, agreed
 from training.loop.run_folder import RunFolder
+from training.loop.run_inputs import DataFactory, RunInputs
+from training.loop.runtime_checks import RuntimeChecks
 from training.loop.step import ModelViews, TrainStep, build_views, pick_device, to_device, total_steps
 from training.loop.step_reads import StepReads
 from training.loop.validator import Validator
-from training.metrics import fmt_duration, peak_flops
-from training.model import ModelConfig, Transformer
+from training.mirror.run_mirror import local_folder
+from training.model.decoder import ModelConfig, Transformer
+from training.run_context import RunContext
+from training.runfiles.gate_results import GateReport
 from training.schedule import lr_at
+from training.telemetry.metrics_logger import EventLog, MetricsLogger
+from training.telemetry.step_metrics import fmt_duration
+from training.train_config import TrainConfig
 
 __all__ = ["RESUME_HINT", "USER_ERRORS", "TrainError", "Trainer"]
 
@@ -60,20 +64,20 @@ class Trainer:
                  model_class: type[Transformer] = Transformer, lr_schedule: optim.Schedule = lr_at):
         self.cfg, self.recipe = cfg, Recipe(data_factory, kind, force, model_class, lr_schedule)
         self.step, self.preemption = 0, None
-        self.metrics: MetricsLogger | None = None
-        self.checkpointer: Checkpointer | None = None
+        self.metrics, self.checkpointer = None, None  # built by setup(); closed by run() if they were
 
     def run(self) -> dict:
         """Run (or resume) training; returns a summary dict."""
         cfg = self.cfg
-        self.dist = D.setup("cuda" if (cfg.device == "auto" or cfg.device.startswith("cuda"))
-                            and torch.cuda.is_available() else "cpu")
-        try:
+        d = D.setup("cuda" if (cfg.device == "auto" or cfg.device.startswith("cuda")) and torch.cuda.is_available()
+                    else "cpu")
+        try:  # the context every component shares: the device, --out's local folder (a URL's cache), the log
+            self.ctx = RunContext(d, pick_device(cfg.device, d), local_folder(sections.MirrorSection.of(cfg)),
+                                  self.recipe.kind, log=EventLog(), say=self.say)
             self.setup()
             if self.early.prior is not None:  # this command already stopped early: nothing to do
                 return self.early.nothing_to_do()
-            self.preflight()
-            self.commit()
+            self.commit(self.preflight())
             self.train_loop()
             summary = self.summary()
         finally:
@@ -82,30 +86,32 @@ class Trainer:
                     part.close()
             # a URL --out: the last checkpoint and the run files uploaded (a preempted run's too)
             unmirrored = self.checkpointer.close_mirror(cfg.allow_local_only) if self.checkpointer else ""
-            D.teardown(self.dist)
+            D.teardown(d)
         if unmirrored:
             raise TrainError(unmirrored)
         return summary
 
     def say(self, *a, **k) -> None:
-        if self.dist.is_main:  # rank 0 alone prints
+        if self.ctx.dist.is_main:  # rank 0 alone prints
             print(*a, **k)
 
     def setup(self) -> None:
-        """Device, --out, data, model config, the run folder and resume source, model (+ wrap, compile),
-        optimizer, and the resume, if any: all read and checked, nothing written."""
-        cfg, d, recipe = self.cfg, self.dist, self.recipe
-        self.device = pick_device(cfg.device, d)  # TF32 matmuls on CUDA
-        self.inputs = RunInputs(cfg, d, self.device, kind=recipe.kind, data_factory=recipe.data_factory, say=self.say)
-        out, mirror = self.inputs.open_out()
+        """Data, model config, run folder, resume source, model (+ wrap, compile), optimizer, the resume: all read
+        and checked, nothing written. Components built whole, in dependency order (section, context, parts)."""
+        cfg, ctx, recipe = self.cfg, self.ctx, self.recipe
+        self.inputs = RunInputs(cfg, ctx, data_factory=recipe.data_factory)
+        mirror = self.inputs.open_mirror()
         torch.manual_seed(cfg.seed)
-        self.metrics = MetricsLogger(cfg, out, d, self.device)
+        self.metrics = MetricsLogger(sections.MetricsSection.of(cfg), ctx)
         self.data, model_cfg = self.inputs.read_data(check=self.metrics.check_tracker)
-        self.folder = RunFolder(out, d, kind=recipe.kind, force=recipe.force)
-        self.early = EarlyStopping(cfg.early_stop_patience, out, d, log=self.metrics.event, say=self.say)
-        self.checkpointer = self.checkpointer_class(out, d, self.device, cfg, kind=recipe.kind, log=self.metrics.event,
-                                         say=self.say)
-        self.checkpointer.mirror = mirror  # uploads each save once commit() started it
+        self.folder = RunFolder(ctx, force=recipe.force)
+        self.early = EarlyStopping(cfg.early_stop_patience, ctx)
+        # the loop's batches: each drawn one ahead, its copy to the device started while the step before computes
+        self.batches = Prefetcher(self.data.train, lambda b: to_device(b, ctx.device))
+        parts = (("data", self.batches, "data position"), (None, self.metrics, "token count"),
+                 (None, self.early, "early-stop state"))  # what each checkpoint's state.json holds
+        self.checkpointer = self.checkpointer_class(sections.CheckpointSection.of(cfg), ctx, parts=parts,
+                                                    keep=self.early.keep, mirror=mirror)  # uploads once committed
         latest = self.check_run_dir(model_cfg)
         if self.early.prior is not None:
             return
@@ -113,15 +119,10 @@ class Trainer:
             model = recipe.model_class(model_cfg)
         if latest is None:
             self.inputs.init_weights(model, self.data, self.checkpointer)
-        views = build_views(model, cfg, d, self.device, self.new_optimizer)
-        self.train_step = TrainStep(views, cfg, d, recipe.lr_schedule, on_first_update=self.checkpointer.reserve)
-        self.validator = Validator(cfg, self.data, d, views)
-        self.metrics.peak_flops, gpu_name = peak_flops(self.device)
-        self.say(self.metrics.banner(recipe.kind, model_cfg, gpu_name, self.train_step, views))
-        for key, part, what in (("data", Live(lambda: self.data.train), "data position"),
-                                (None, self.metrics, "token count"), (None, self.early, "early-stop state")):
-            self.checkpointer.register(key, part, what)
-        self.checkpointer.keep = self.early.keep
+        views = build_views(model, step := sections.StepSection.of(cfg), ctx.dist, ctx.device, self.new_optimizer)
+        self.train_step = TrainStep(views, step, ctx.dist, recipe.lr_schedule, on_first_update=self.checkpointer.reserve)
+        self.validator = Validator(sections.ValidationSection.of(cfg), ctx, self.data, views)
+        self.say(self.metrics.banner(model_cfg, self.train_step, views))
         if latest is not None:
             self.step = self.checkpointer.resume(latest, views)
 
@@ -133,16 +134,17 @@ class Trainer:
             self.folder.check(model_cfg)
             if self.folder.start_over:  # its checkpoints and log are removed by commit(), once all is checked
                 return None
-            latest = self.checkpointer.find_latest(self.data.tokenizer.sha256, total_steps(self.cfg, self.dist))
+            total = total_steps(sections.StepSection.of(self.cfg), self.ctx.dist)
+            latest = self.checkpointer.find_latest(self.data.tokenizer.sha256, total)
             if latest is not None:
                 self.early.check_prior(latest)
             return latest
 
         self.checkpointer.pull_remote(model_cfg, self.recipe.force)  # a URL --out: its newest checkpoint
-        latest = agreed(self.dist, self.device, f"reading the run folder {self.folder.out}", read)
+        latest = agreed(self.ctx.dist, self.ctx.device, f"reading the run folder {self.folder.out}", read)
         mine = D.RunView(ckpt.step_of(latest) if latest is not None else -1, Checkpointer.fingerprint(latest),
                          self.folder.start_over, self.early.prior is not None)
-        D.agree_on_view(self.dist, mine, self.device, f"--out {self.folder.out}")
+        D.agree_on_view(self.ctx.dist, mine, self.ctx.device, f"--out {self.folder.out}")
         return latest
 
     @property
@@ -151,24 +153,27 @@ class Trainer:
 
     def new_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         """The training optimizer, and the one the overfit gate builds for its copy of the model."""
-        return optim.make_optimizer(module, self.cfg, self.device)
+        return optim.make_optimizer(module, self.cfg, self.ctx.device)
 
-    def preflight(self) -> None:
-        """The pre-flight gates (training.loop.preflight): before a fresh run's first step, and again on a
-        resume that changed what they judged (device, dtype, world size, compile, wrapping)."""
-        preflight = Preflight(self.cfg, self.dist, self.folder, self.say, registry=self.gate_registry)
+    def preflight(self) -> GateReport | None:
+        """The pre-flight gates (training.loop.preflight_runner): before a fresh run's first step, and again on a
+        resume that changed what they judged (device, dtype, world size, compile, wrapping); None: neither."""
+        preflight = Preflight(self.cfg, self.ctx, self.folder, registry=self.gate_registry)
         gate_args = (self.views, self.data, self.new_optimizer, self.metrics.peak_flops)
         if not self.step:
-            self.folder.gate_report = preflight.run(*gate_args)
-            self.folder.gate_report.results[:0] = self.inputs.gates  # --init-from's parity gate (passed in setup)
-        elif changed := preflight.changed_since(self.folder.out, self.views):
-            self.folder.gate_report = preflight.rerun(self.folder.out, *gate_args, self.step, changed)
+            report = preflight.run(*gate_args)
+            report.results[:0] = self.inputs.gates  # --init-from's parity gate (passed in setup)
+            return report
+        if changed := preflight.changed_since(self.folder.out, self.views):
+            return preflight.rerun(self.folder.out, *gate_args, self.step, changed)
+        return None
 
-    def commit(self) -> None:
-        self.folder.commit(model_cfg=self.views.model.cfg, train=self.cfg.to_dict(), tokenizer=self.data.tokenizer)
+    def commit(self, gate_report: GateReport | None) -> None:
+        self.folder.commit(model_cfg=self.views.model.cfg, train=self.cfg.to_dict(), tokenizer=self.data.tokenizer,
+                           gate_report=gate_report)
         self.metrics.open(self.step)
         self.checkpointer.start_mirror()
-        self.dist.barrier()
+        self.ctx.dist.barrier()
 
     def train_loop(self) -> None:
         cfg, start, total = self.cfg, self.step, self.train_step.total_steps
@@ -207,21 +212,18 @@ class Trainer:
             self.save()
 
     def start_loop(self) -> None:
-        """The clock, the signal handlers, the prefetching loader, and the deferred reads with their checks."""
-        self.metrics.start(self.views.model.cfg, self.metrics.peak_flops)
-        self.preemption = PreemptionStop(self.dist, self.device, self.checkpointer, self.metrics.event)
+        """The clock, the signal handlers, and the deferred reads with their checks."""
+        self.metrics.start(self.views.model.cfg)
+        self.preemption = PreemptionStop(self.ctx, self.checkpointer)
         self.preemption.install()
-        # one micro-batch drawn ahead, its copy to the device started while the step before computes
-        self.data.train = Prefetcher(self.data.train, lambda b: to_device(b, self.device))
-        checks = RuntimeChecks(self.cfg, self.dist, self.device, self.folder.out, self.views.trainable,
-                               log=self.metrics.event, say=self.say)
-        self.reads = StepReads(self.cfg, deferred=self.train_step.deferrable, judge=checks.judge,
+        checks = RuntimeChecks(section := sections.ChecksSection.of(self.cfg), self.ctx, self.views.trainable)
+        self.reads = StepReads(section, deferred=self.train_step.deferrable, judge=checks.judge,
                                record=MetricsLogger.record, write=self.metrics.write)
 
     def one_step(self) -> None:
         """Compute the step; apply its update now when a check must read it first, else on the device."""
         read_now = self.reads.should_read_now(self.step)
-        r = self.train_step.compute(self.step, self.data.train, read_now=read_now)
+        r = self.train_step.compute(self.step, self.batches, read_now=read_now)
         r.fields = self.metrics.count(self.train_step.tokens_per_step)  # a dropped batch's tokens still count
         self.reads.add(r)
         if read_now:

@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 
 import training
-from training.evaluate.mc import load_mc
+from training.evaluate import load_mc
 
 EVAL_DIR = Path(training.__file__).resolve().parent / "assets" / "eval"  # shipped as package data
 SPLIT = "test"

@@ -7,15 +7,15 @@ import argparse
 import time
 from pathlib import Path
 
-from training import layout
+from training.runfiles import layout
 
 PROJECT_TOKENS = 2_000_000_000  # the reference run's budget: 2 B tokens in 54.6 h for $164 on one H100
 REFERENCE_TOKENS_PER_S = 10_000
 
 
 def estimate_memory_gb(cfg, seq_len: int, batch: int, activation_checkpointing: bool) -> dict[str, float]:
-    """training.plan's estimate (what `train.py --plan` prints) for one process, bf16 autocast, in GiB."""
-    from training.plan import GIB, estimate_memory
+    """training.run_plan's estimate (what `train.py --plan` prints) for one process, bf16 autocast, in GiB."""
+    from training.run_plan import GIB, estimate_memory
 
     mem = estimate_memory(cfg, seq_len, batch, dtype="bf16", activation_checkpointing=activation_checkpointing)
     return {f"{k}_gb": round(v / GIB, 2) for k, v in mem.items() if k not in ("activations_other", "distributed")}
@@ -24,7 +24,7 @@ def estimate_memory_gb(cfg, seq_len: int, batch: int, activation_checkpointing: 
 def environment(device: str) -> dict:
     import torch
 
-    from training.metrics import peak_flops
+    from training.telemetry.step_metrics import peak_flops
 
     peak, gpu = peak_flops(torch.device(device))
     return {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "peak_flops": peak, "torch": torch.__version__,
@@ -37,8 +37,8 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
     import torch
     from gpu_preempt import read_log
 
-    from training.metrics import mfu_flops, peak_flops
-    from training.model import ModelConfig, count_params, preset
+    from training.model.decoder import ModelConfig, count_params, preset
+    from training.telemetry.step_metrics import mfu_flops, peak_flops
 
     recs = [r for r in read_log(run) if "loss" in r]
     gates = layout.read_json(run / layout.GATES, "gates") if (run / layout.GATES).exists() else {}
@@ -77,7 +77,7 @@ def measure(a: argparse.Namespace, run: Path) -> dict:
         **mfu,
         "mfu_formula": "mfu: tokens/s x (6 N' + 12 n_layers seq_len d_attn) / peak dense bf16 FLOP/s (PaLM, nanoGPT, "
                        "torchtitan); mfu_6ltd: the same with 6 n_layers seq_len d_attn (Kaplan, llm.c); N' = "
-                       "non-embedding params + the output head once (training.metrics)",
+                       "non-embedding params + the output head once (training.telemetry.step_metrics)",
         "gates": [{k: g.get(k) for k in ("name", "passed", "value", "threshold")} for g in gates.get("results", [])],
         "gate_mfu_fwd_bwd": gate.get("throughput.mfu", {}).get("value"),
         "backward_forward_ratio": gate.get("throughput.backward_ratio", {}).get("value"),

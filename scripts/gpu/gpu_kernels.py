@@ -1,6 +1,6 @@
 """The attention and projection kernels gpu_validate.py's sdpa phase times on the GPU: which SDPA kernel
 dispatch picks for a training step, every backend forced in turn, and the block's projections fused
-against unfused (the numbers behind training.model.FUSE_DEVICES)."""
+against unfused (the numbers behind training.model.decoder.FUSE_DEVICES)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def sdpa_kernels(preset_name: str, seq_len: int, device: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from training.model import Transformer, preset
+    from training.model.decoder import Transformer, preset
 
     cfg = preset(preset_name, n_layers=1)
     dev = torch.device(device)
@@ -51,7 +51,7 @@ def sdpa_backends(preset_name: str, seq_len: int, batch: int, device: str, reps:
     each form's fastest backend, "sdpa_best": "<backend> (<form>)" over both, "sdpa_shape"}."""
     import torch
 
-    from training.model import preset
+    from training.model.decoder import preset
 
     cfg = preset(preset_name)
     dev = torch.device(device)
@@ -113,12 +113,12 @@ def _time_backends(call, leaves: tuple, dev, reps: int) -> dict[str, float | str
 
 def projection_gemms(preset_name: str, seq_len: int, batch: int, device: str, reps: int = SDPA_REPS) -> dict:
     """One block of the preset, forward + backward under bf16 autocast at the training shape, with its
-    projections fused (q/k/v as one GEMM, gate/up as one: training.model.fused_linear) and as separate
+    projections fused (q/k/v as one GEMM, gate/up as one: training.model.decoder.fused_linear) and as separate
     GEMMs: {"proj_fwd_bwd_ms": {"fused": ms, "unfused": ms}, "proj_fused_default": whether this device
-    fuses by default (training.model.FUSE_DEVICES)}. The numbers that decide FUSE_DEVICES."""
+    fuses by default (training.model.decoder.FUSE_DEVICES)}. The numbers that decide FUSE_DEVICES."""
     import torch
 
-    import training.model as M
+    import training.model.decoder as M
 
     cfg = M.preset(preset_name)
     dev = torch.device(device)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpu_figures import estimate_memory_gb
 
-from training import layout
+from training.runfiles import layout
 
 GPU_MEMORY_TARGET_GB = 80.0  # the presets must fit an 80 GB H100/A100
 # the eager baseline: whole optimizer steps of at least this many micro-batches timed, after at least this
@@ -22,12 +22,13 @@ def trainer_step(cfg, preset_name: str, seq_len: int, batch: int, device: str, *
     import torch
 
     from training import distributed as D
-    from training.config import TrainConfig
+    from training.config_sections import StepSection
     from training.loop.step import RepeatBatch, TrainStep, build_views
-    from training.model import Transformer
+    from training.model.decoder import Transformer
+    from training.train_config import TrainConfig
 
-    tcfg = TrainConfig(preset=preset_name, batch_size=batch, seq_len=seq_len, device=device, max_steps=10**6,
-                       warmup_steps=0, **train)
+    tcfg = StepSection.of(TrainConfig(preset=preset_name, batch_size=batch, seq_len=seq_len, device=device,
+                                      max_steps=10**6, warmup_steps=0, **train))
     dev, d = torch.device(device), D.Dist()
     with torch.device("cpu"):
         model = Transformer(cfg)
@@ -42,8 +43,8 @@ def eager_probe(run: Path, preset_name: str, seq_len: int, batch: int, device: s
     run's speed-up is measured against."""
     import torch
 
-    from training.metrics import mfu_flops, peak_flops
-    from training.model import ModelConfig, preset
+    from training.model.decoder import ModelConfig, preset
+    from training.telemetry.step_metrics import mfu_flops, peak_flops
 
     run_cfg = layout.read_run_config(run) if run.is_dir() else None
     cfg = ModelConfig.from_dict(run_cfg["model"]) if run_cfg else preset(preset_name)
@@ -77,7 +78,7 @@ def memory_probe(name: str, seq_len: int, batch: int, activation_checkpointing: 
     """Peak GPU memory of `steps` eager optimizer steps of a preset through the Trainer's own step."""
     import torch
 
-    from training.model import preset
+    from training.model.decoder import preset
 
     cfg = preset(name)
     dev = torch.device("cuda")

@@ -2,7 +2,7 @@
 export web`) in headless Chromium, timed through their own hook `window.prodip.generate` on the bench's prompt.
 
 - wllama (llama.cpp in WebAssembly) on the web export's GGUF, at 1 thread and at --threads: the page is
-  served with COOP/COEP (export.browser_parity.serve_folder), so it is cross-origin isolated and wasm threads run;
+  served with COOP/COEP (export.parity.browser_parity.serve_folder), so it is cross-origin isolated and wasm threads run;
   each row records what the page reports (threads, crossOriginIsolated);
 - onnxruntime-web on each ONNX variant the export holds (fp32/int8/int4, `onnx.html?model=...`).
 Generation tok/s is the page's own figure (new tokens after the first over the time between them, as ours);
@@ -50,7 +50,7 @@ def browser_formats(run: Path, gguf_types: tuple[str, ...]) -> list[dict]:
 def prompt_text(run: Path, prompt_tokens: int, text: str) -> str:
     """The bench's prompt as text of about `prompt_tokens` tokens (the page takes text; our tokenizer's ids,
     decoded)."""
-    from training.tokenizer import Tokenizer
+    from training.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(next(p for p in (run / "tokenizer.model", *run.glob("checkpoints/*/tokenizer.model"))
                               if p.is_file()))
@@ -61,8 +61,8 @@ def prompt_text(run: Path, prompt_tokens: int, text: str) -> str:
 
 def measure_browser(page: Path, threads: int, prompt: str, gen_tokens: int, repetitions: int) -> dict:
     """One page (child process): served on 127.0.0.1 with COOP/COEP, opened in a fresh Chromium with ?threads=N,
-    a warm-up, then `repetitions` greedy generations of `gen_tokens`."""
-    from export.browser_parity import chromium, serve_folder
+    a full-length warm-up, then `repetitions` greedy generations of `gen_tokens`."""
+    from export.parity.browser_parity import chromium, serve_folder
 
     web, name = page.parent, page.name
     query = ("&" if "?" in name else "?") + f"threads={threads}"
@@ -73,7 +73,9 @@ def measure_browser(page: Path, threads: int, prompt: str, gen_tokens: int, repe
         p.wait_for_function("() => window.prodip !== undefined", timeout=300_000)
         info = p.evaluate("async () => { await window.prodip.ready; return window.prodip.info; }")
         load_s = time.perf_counter() - t0
-        p.evaluate(GENERATE_JS, [prompt[:40], 2])  # warm-up
+        # warm-up as long as a measured run: V8 compiles hot wasm functions with TurboFan in the background (dynamic
+        # tiering), so after a short warm-up the first measured tokens may still run baseline (Liftoff) code
+        p.evaluate(GENERATE_JS, [prompt, gen_tokens])
         runs = [p.evaluate(GENERATE_JS, [prompt, gen_tokens]) for _ in range(repetitions)]
     tps = [r["tokens_per_s"] for r in runs if r["n"] > 1]
     ttft = [r["seconds"] - (r["n"] - 1) / r["tokens_per_s"] for r in runs if r["n"] > 1 and r["tokens_per_s"]]

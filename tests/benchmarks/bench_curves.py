@@ -1,4 +1,4 @@
-"""What one redraw of RUN/curves.png costs (training.curves.draw_curves, run at every evaluation).
+"""What one redraw of RUN/curves.png costs (training.telemetry.curves.draw_curves, run at every evaluation).
 
     python tests/benchmarks/bench_curves.py --steps 2000 --evaluations 20 --repeats 5
 
@@ -48,8 +48,8 @@ def write_log(path: Path, steps: int, evaluations: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from training import layout
-    from training.curves import draw_curves
+    from training.runfiles import layout
+    from training.telemetry.curves import draw_curves
 
     with tempfile.TemporaryDirectory() as d:
         write_log(Path(d) / layout.LOG, args.steps, args.evaluations)

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_generate(a.model, a.prompt_tokens, a.child)
         return 0
     from export import ExportError
-    from export.llama_tools import tool_path
+    from export.gguf.llama_tools import tool_path
 
     if not a.model.is_file():
         raise SystemExit(f"error: model not found: {a.model}")

@@ -4,8 +4,8 @@
         [--text FILE] [--mc FILE]
 
 Without RUN, trains the suite's tiny run (conftest's `tiny_run` recipe: training.prepare and the real
-train.py on training/assets/corpus). Exports GGUF F32/F16/Q8_0/Q4_K_M (export.gguf: gguf-py writer,
-llama.cpp's quantizer) and ONNX fp32/int8 (export.onnx), then scores every file and the checkpoint
+train.py on training/assets/corpus). Exports GGUF F32/F16/Q8_0/Q4_K_M (export.gguf.gguf_export: gguf-py writer,
+llama.cpp's quantizer) and ONNX fp32/int8 (export.onnx.onnx_export), then scores every file and the checkpoint
 with `python -m export.evaluate`, by default on the held-out text and Bangla multiple-choice set
 that ship in training/assets/eval (for breadth: --text ../shared/data/bn/dev/tatoeba_bn.txt
 --mc ../shared/data/eval/bn_mc/okapi__m_arc__bn_validation.json). Prints a Markdown table:
@@ -29,7 +29,7 @@ from conftest import CORPUS, run_train  # noqa: E402
 from fixtures_evaluate import HELDOUT, MC_BN  # noqa: E402
 
 from export.evaluate import main as export_evaluate  # noqa: E402
-from export.gguf import quantize_gguf, write_gguf  # noqa: E402
+from export.gguf.gguf_export import quantize_gguf, write_gguf  # noqa: E402
 from export.manifest import load_source  # noqa: E402
 
 GGUF_TYPES = ("F16", "Q8_0", "Q4_K_M")
@@ -70,7 +70,7 @@ def main() -> int:
         files.append(write_gguf(src, root / "gguf" / f"{src.name}-{t}.gguf", t) if t == "F16"
                      else quantize_gguf(f32, root / "gguf" / f"{src.name}-{t}.gguf", t))
     if not args.no_onnx:
-        from export.onnx import export_onnx
+        from export.onnx.onnx_export import export_onnx
 
         files += [p for p in export_onnx(run, root / "onnx", int8=True, force=True) if p.suffix == ".onnx"]
     export_s = time.perf_counter() - t0

@@ -31,14 +31,14 @@ GiB = 1 << 30
 def make_checkpoint(preset_name: str, work: Path) -> tuple[Path, int]:
     import torch
 
-    from training import checkpoint
-    from training.model import Transformer, count_params, preset
+    from training.checkpoint import checkpoint_io as checkpoint
+    from training.model.decoder import Transformer, count_params, preset
 
     done = checkpoint.latest(work / "run") if (work / "run").is_dir() else None
     if done is not None:  # a kept --work folder: reuse its checkpoint (same preset, random init)
         return done, count_params(checkpoint.load(done).config)
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
+    from training.text.normalization import normalize
+    from training.text.tokenizer import train_tokenizer
 
     files = sorted(CORPUS.glob("*.md")) if CORPUS.is_dir() else sorted(BUNDLED.glob("*.txt"))
     lines = [normalize(x) for f in files for x in f.read_text(encoding="utf-8").splitlines() if x.strip()]

@@ -24,9 +24,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from training import distributed as D
-from training.config import TrainConfig
+from training.config_sections import StepSection
 from training.loop.step import RepeatBatch, TrainStep, build_views
-from training.model import Transformer, chunked_cross_entropy, preset
+from training.model.decoder import Transformer, chunked_cross_entropy, preset
+from training.train_config import TrainConfig
 
 
 def _memory(fn) -> tuple[int, list[int]]:
@@ -71,8 +72,8 @@ def loss(a: argparse.Namespace) -> dict:
 
 
 def cast(a: argparse.Namespace) -> dict:
-    cfg = TrainConfig(preset=a.preset, batch_size=a.batch, seq_len=a.seq, device="cpu", max_steps=10**6,
-                      warmup_steps=0, dtype="bf16", grad_accum=a.grad_accum)
+    cfg = StepSection.of(TrainConfig(preset=a.preset, batch_size=a.batch, seq_len=a.seq, device="cpu", max_steps=10**6,
+                                     warmup_steps=0, dtype="bf16", grad_accum=a.grad_accum))
     res: dict = {"preset": a.preset, "micro_batch": a.batch, "seq": a.seq, "grad_accum": a.grad_accum}
     weights = {}
     for name in ("cast_every_use", "cast_once"):

@@ -34,13 +34,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from test_imatrix import HELDOUT, heldout_kl, heldout_windows  # noqa: E402
 
-from export.gguf import quantize_gguf, write_gguf  # noqa: E402
+from export.gguf.gguf_export import quantize_gguf, write_gguf  # noqa: E402
+from export.gguf.imatrix_format import DEFAULT_CHUNK_TOKENS, write_imatrix  # noqa: E402
+from export.gguf.imatrix_torch import add_head_importance, torch_importance  # noqa: E402
 from export.imatrix import DEFAULT_CALIBRATION, compute_imatrix, quantize_with_imatrix  # noqa: E402
-from export.imatrix_format import DEFAULT_CHUNK_TOKENS, write_imatrix  # noqa: E402
-from export.imatrix_torch import add_head_importance, torch_importance  # noqa: E402
 from export.manifest import load_source  # noqa: E402
-from serving.llamacpp import LlamaCppBackend  # noqa: E402
-from serving.torch_backend import TorchBackend  # noqa: E402
+from serving.backends.llamacpp_backend import LlamaCppBackend  # noqa: E402
+from serving.backends.torch_backend import TorchBackend  # noqa: E402
 
 TYPES = "Q4_K_M,Q5_K_M,Q6_K,IQ4_XS"
 IMPORTANCE = ("llama", "activation", "fisher", "uniform")
@@ -56,7 +56,7 @@ def score(path: Path, ref: TorchBackend, windows: list[list[int]]) -> tuple[floa
 
 def importance_file(run: Path, f32: Path, out: Path, *, text: Path, chunk: int, head: bool, importance: str) -> Path:
     """llama-imatrix's file (+ the tied head's entry), or one written from the PyTorch model:
-    activation / fisher statistics (export.imatrix_torch.torch_importance), or `uniform` (every weight 1:
+    activation / fisher statistics (export.gguf.imatrix_torch.torch_importance), or `uniform` (every weight 1:
     only the imatrix code path of llama.cpp's quantizer, no statistics)."""
     if importance == "llama":
         im = compute_imatrix(f32, text, out, chunk_tokens=chunk, force=True)

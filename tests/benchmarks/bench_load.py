@@ -103,7 +103,7 @@ def bench_http(model: Path, args) -> dict:
     import uvicorn
 
     from serving import load
-    from serving.http import ServerConfig, create_app
+    from serving.server.http_app import ServerConfig, create_app
 
     backend = load(model, threads=args.threads) if args.threads else load(model)
     g = guard(backend)

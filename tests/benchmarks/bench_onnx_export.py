@@ -1,4 +1,4 @@
-"""Benchmark: the streamed ONNX export (export/onnx.py) of a preset, fp32 alone and with int8 / int4:
+"""Benchmark: the streamed ONNX export (export/onnx/onnx_export.py) of a preset, fp32 alone and with int8 / int4:
 wall and CPU time, peak RSS against the fp32 checkpoint size, file sizes, the export's own checks.
 
     .venv/bin/python tests/benchmarks/bench_onnx_export.py [--preset 400m] [--work DIR] [--no-check]
@@ -11,8 +11,8 @@ process, so its peak RSS (ru_maxrss from os.wait4) is that export's alone. Targe
 <= 60 s and <= 2x the fp32 size in peak RSS. Prints a Markdown table.
 
 --speed instead exports fp32/int8/int4 with the ONNX Runtime GenAI files and compares, on the same
-model files, greedy decoding by ONNX Runtime GenAI (export.genai.genai_generate_speed) and by our
-ONNX Runtime backend (serving.onnxrt): time to first token and decode tokens/s.
+model files, greedy decoding by ONNX Runtime GenAI (export.onnx.genai.genai_generate_speed) and by our
+ONNX Runtime backend (serving.backends.onnxrt_backend): time to first token and decode tokens/s.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ CASES = (("fp32", []), ("fp32 + int8", ["--int8"]), ("fp32 + int4", ["--int4"]))
 def make_checkpoint(preset_name: str, work: Path) -> Path:
     import torch
 
-    from training import checkpoint
-    from training.model import Transformer, preset
-    from training.text import normalize
-    from training.tokenizer import train_tokenizer
+    from training.checkpoint import checkpoint_io as checkpoint
+    from training.model.decoder import Transformer, preset
+    from training.text.normalization import normalize
+    from training.text.tokenizer import train_tokenizer
 
     if (work / "run").is_dir() and (done := checkpoint.latest(work / "run")) is not None:
         return done  # a kept --work folder: reuse its checkpoint
@@ -70,10 +70,10 @@ def run(cmd: list[str]) -> tuple[float, float, int, int, str]:
 
 
 def ours_speed(onnx_dir: Path, variant: str, ids: list[int], new_tokens: int, threads: int) -> tuple[float, float]:
-    """(time to first token s, decode tokens/s) of serving.onnxrt on one variant, measured as
+    """(time to first token s, decode tokens/s) of serving.backends.onnxrt_backend on one variant, measured as
     genai_generate_speed measures GenAI: end-of-turn ignored, best of 2 after a warm-up."""
     from serving.backend import SamplingParams
-    from serving.onnxrt import OnnxBackend
+    from serving.backends.onnxrt_backend import OnnxBackend
 
     b = OnnxBackend(onnx_dir, threads=threads, variant=variant)
     b.eos_ids = ()  # fixed-length decode
@@ -90,9 +90,9 @@ def ours_speed(onnx_dir: Path, variant: str, ids: list[int], new_tokens: int, th
 
 
 def speed(ck: Path, work: Path, threads: int) -> None:
-    from export.genai import GENAI_DIR, genai_generate_speed
-    from export.onnx import export_onnx
-    from training.checkpoint import load
+    from export.onnx.genai import GENAI_DIR, genai_generate_speed
+    from export.onnx.onnx_export import export_onnx
+    from training.checkpoint.checkpoint_io import load
 
     out = work / "onnx-speed"
     export_onnx(ck, out, int8=True, int4=True, force=True, genai=True)
@@ -121,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    from training.model import count_params
+    from training.model.decoder import count_params
 
     args = build_parser().parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_onnx-"))
     try:
         t0 = time.perf_counter()
         ck = make_checkpoint(args.preset, work)
-        from training.checkpoint import load
+        from training.checkpoint.checkpoint_io import load
 
         cfg = load(ck).config
         if args.speed:

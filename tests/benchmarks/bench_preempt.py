@@ -99,7 +99,7 @@ def records(run: Path) -> list[dict]:
 
 
 def one(kind: str, preset: str, data: Path, tmp: Path) -> dict:
-    from training import checkpoint as ckpt
+    from training.checkpoint import checkpoint_io as ckpt
 
     run = tmp / kind
     env = {**os.environ, "OMP_NUM_THREADS": "1" if kind != "single" else "2"}
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.force and any(p.exists() for p in outputs):
         print(f"error: --out {a.out} already holds a report; use --force to overwrite", file=sys.stderr)
         return 2
-    from training.model import count_params, preset
+    from training.model.decoder import count_params, preset
 
     with tempfile.TemporaryDirectory(prefix="prodip-preempt-") as tmp:
         data = a.data

@@ -38,14 +38,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from training.prepare.clean import _dedup, init_worker, judge_chunk, raw_texts  # noqa: E402
+from training.prepare.cluster.pool import chunks  # noqa: E402
+from training.prepare.cluster.worker_memory import DEFAULT_MEMORY_GB, plan_memory  # noqa: E402
 from training.prepare.decontam import EvalIndex, resolve_eval_paths  # noqa: E402
 from training.prepare.dedup import DedupIndex  # noqa: E402
 from training.prepare.encode import encode_chunk  # noqa: E402
 from training.prepare.encode import init_worker as init_encoder  # noqa: E402
 from training.prepare.errors import PrepareError  # noqa: E402
-from training.prepare.memory import DEFAULT_MEMORY_GB, plan_memory  # noqa: E402
 from training.prepare.options import DEFAULT_SHARD_TOKENS  # noqa: E402
-from training.prepare.pool import chunks  # noqa: E402
 from training.prepare.quality import load_config  # noqa: E402
 from training.prepare.sources import FileSource, iter_file_docs, resolve_inputs  # noqa: E402
 
@@ -129,8 +129,8 @@ def generate(folder: Path, size_mb: int, seed: int = 0) -> Path:
 
 def stage_rates(corpus: Path, tokenizer: Path, limit_mb: float) -> dict[str, float]:
     """MB of input per CPU-second for each pass, measured in this process on the first `limit_mb` MB."""
-    from training.data import ShardWriter
-    from training.tokenizer import Tokenizer
+    from training.data.loaders import ShardWriter
+    from training.text.tokenizer import Tokenizer
 
     sources = [FileSource(f) for f in resolve_inputs([corpus])]
     texts, size = [], 0

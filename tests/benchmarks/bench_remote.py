@@ -7,8 +7,8 @@ the mirror's upload child process against the same work on a thread in the train
 Starts moto's server on 127.0.0.1 in its own process (its request handling must not share this
 process's GIL, as a real store does not), writes a checkpoint folder of --size-mb (three files:
 weights, optimizer moments, state), and runs a training-like loop (one fp32 matmul per "step") on
-the main thread while training.loop.mirror.Mirror uploads that checkpoint, as train.py does: with
-`process` (train.py's: a child process at a lower CPU priority, training.loop.mirror_worker) and
+the main thread while training.mirror.run_mirror.Mirror uploads that checkpoint, as train.py does: with
+`process` (train.py's: a child process at a lower CPU priority, training.store.mirror_worker) and
 with `thread` (the same work on a thread of this process, the uploader before issue #29). Prints
 one table, a column per upload: upload seconds and MB/s, the time the training thread spent
 handing the checkpoint over (Mirror.checkpoint), the median step before and during the upload, and
@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _upload(kind: str, tag: str, fs, size: int, n: int, torch) -> dict[str, float | int]:
     """One checkpoint of `size` bytes uploaded by uploader `kind` while the main thread "trains"."""
     from training import distributed as D
-    from training.config import TrainConfig
-    from training.loop.mirror import Mirror
+    from training.config_sections import MirrorSection
+    from training.mirror.run_mirror import Mirror
+    from training.run_context import RunContext
 
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
@@ -68,7 +69,8 @@ def _upload(kind: str, tag: str, fs, size: int, n: int, torch) -> dict[str, floa
         step_dir.mkdir(parents=True)
         for name, share in (("model.safetensors", 1 / 3), ("optim.safetensors", 2 / 3 - 1e-3), ("state.json", 1e-3)):
             (step_dir / name).write_bytes(os.urandom(int(size * share)))
-        mirror = Mirror(f"s3://bench/{tag}", cache, D.Dist(), TrainConfig(keep_last=0), say=print, uploader=kind)
+        mirror = Mirror(MirrorSection.default(out=f"s3://bench/{tag}", cache=str(cache), keep_last=0),
+                        RunContext(D.Dist(), out=cache), uploader=kind)
         mirror._checked = mirror.reached = True  # a fresh URL: nothing to check or pull
         mirror.start()
         time.sleep(SETTLE_S)

@@ -11,7 +11,7 @@ Rows, whichever exist:
   the settings of our llama.cpp row: same threads, F16 KV cache (llama-bench has no F32 cache, so our
   row runs with kv_f32=False here), flash attention off, batch 512, and generation measured at the same
   depth (-d = the prompt length);
-- ONNX Runtime GenAI on RUN_DIR/export/onnx/genai/<variant>/ (export.genai; when `onnxruntime-genai`
+- ONNX Runtime GenAI on RUN_DIR/export/onnx/genai/<variant>/ (export.onnx.genai; when `onnxruntime-genai`
   is installed);
 - the browser: RUN_DIR/export/web/'s pages in headless Chromium (wllama on its GGUF, onnxruntime-web on each
   ONNX variant; bench_browser.py), when `python -m export web` wrote them.
@@ -52,7 +52,7 @@ HELDOUT = REPO / "training" / "assets" / "eval" / "heldout_bn.txt"
 ONNX_VARIANTS = {"model.onnx": ("ONNX fp32", "fp32"), "model-int8.onnx": ("ONNX int8", "int8"),
                  "model-int4.onnx": ("ONNX int4", "int4")}
 BENCH_REPETITIONS = 3
-N_BATCH = 512  # serving.llamacpp's n_batch (and n_ubatch): llama-bench is run with the same
+N_BATCH = 512  # serving.backends.llamacpp_backend's n_batch (and n_ubatch): llama-bench is run with the same
 KIB = 1024
 OUT_JSON, OUT_MD = "serving-bench.json", "serving-bench.md"
 RUNTIME_NAMES = {"torch": "PyTorch", "onnx": "ONNX Runtime (prodip)", "llama.cpp": "llama-cpp-python (prodip)",
@@ -62,10 +62,10 @@ RUNTIME_NAMES = {"torch": "PyTorch", "onnx": "ONNX Runtime (prodip)", "llama.cpp
 # ------------------------------------------------------------------------------------ what exists
 def formats(run: Path) -> list[dict]:
     """Every (label, runner, path, bytes, quality source) present in the run."""
-    from export.genai import GENAI_CONFIG, GENAI_DIR
-    from export.llama_tools import find_tool
-    from training import layout
-    from training.checkpoint import latest
+    from export.gguf.llama_tools import find_tool
+    from export.onnx.genai import GENAI_CONFIG, GENAI_DIR
+    from training.checkpoint.checkpoint_io import latest
+    from training.runfiles import layout
 
     out = []
     ck = latest(run)
@@ -133,7 +133,7 @@ def measure_backend(kind: str, path: Path, threads: int, prompt_tokens: int, gen
 
     from serving import load
     from serving.backend import SamplingParams
-    from training.logprobs import kl_rows
+    from training.model.logprobs import kl_rows
 
     # llama.cpp: an F16 KV cache (llama.cpp's default) rather than the F32 one parity uses for prodip
     # files, because llama-bench has no F32 cache and its row must time the same work
@@ -171,9 +171,9 @@ def measure_backend(kind: str, path: Path, threads: int, prompt_tokens: int, gen
 
 
 def measure_genai(folder: Path, threads: int, prompt_tokens: int, gen_tokens: int) -> dict:
-    """ONNX Runtime GenAI (child process): export.genai's speed probe on our tokenizer's ids."""
-    from export.genai import GENAI_CONFIG, genai_generate_speed
-    from training.tokenizer import Tokenizer
+    """ONNX Runtime GenAI (child process): export.onnx.genai's speed probe on our tokenizer's ids."""
+    from export.onnx.genai import GENAI_CONFIG, genai_generate_speed
+    from training.text.tokenizer import Tokenizer
 
     cfg = json.loads((folder / GENAI_CONFIG).read_text())
     tok = Tokenizer.load(folder / "tokenizer.model")
@@ -193,7 +193,7 @@ def llama_bench_args(path: Path, threads: int) -> list[str]:
 def measure_llama_bench(path: Path, threads: int, prompt_tokens: int, gen_tokens: int) -> dict:
     """llama.cpp's own llama-bench (no Python): prompt processing (pp) and generation (tg) tokens/s;
     tg at depth --prompt-tokens, where our path generates too."""
-    from export.llama_tools import tool_path
+    from export.gguf.llama_tools import tool_path
 
     commands = []
 

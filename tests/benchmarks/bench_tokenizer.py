@@ -27,10 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from training.fertility import GATE_NAMES, fertility_gates, fertility_report  # noqa: E402
 from training.prepare import iter_file_docs, prepare, resolve_inputs  # noqa: E402
-from training.text import detect_language, normalize  # noqa: E402
-from training.tokenizer import Tokenizer  # noqa: E402
+from training.text.fertility import GATE_NAMES, fertility_gates, fertility_report  # noqa: E402
+from training.text.normalization import detect_language, normalize  # noqa: E402
+from training.text.tokenizer import Tokenizer  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 INPUTS = [SHARED / "bn" / "train", SHARED / "en" / "train"]
@@ -42,7 +42,7 @@ GOAL_MAX_VOCAB = 65536
 
 def val_docs(data_dir: Path) -> list[str]:
     """The held-out documents, read back from the val shards (exactly what the model is evaluated on)."""
-    from training.data import decoded_documents
+    from training.data.loaders import decoded_documents
 
     return decoded_documents(data_dir, "val")
 

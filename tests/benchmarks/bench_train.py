@@ -20,9 +20,10 @@ import torch
 import transformers
 
 from training import distributed as D
-from training.config import TrainConfig
+from training.config_sections import StepSection
 from training.loop.step import RepeatBatch, TrainStep, build_views
-from training.model import Transformer, count_params, preset
+from training.model.decoder import Transformer, count_params, preset
+from training.train_config import TrainConfig
 
 
 def hf_model(cfg) -> torch.nn.Module:
@@ -36,8 +37,8 @@ def hf_model(cfg) -> torch.nn.Module:
 
 def prodip_step(model: Transformer, a: argparse.Namespace):
     """The Trainer's step over `model`, configured as train.py would be with these flags."""
-    cfg = TrainConfig(preset=a.preset, batch_size=a.batch, seq_len=a.seq, device=a.device, max_steps=10**6,
-                      warmup_steps=0)
+    cfg = StepSection.of(TrainConfig(preset=a.preset, batch_size=a.batch, seq_len=a.seq, device=a.device, max_steps=10**6,
+                                     warmup_steps=0))
     d = D.Dist()
     step = TrainStep(build_views(model, cfg, d, torch.device(a.device)), cfg, d)
     return lambda i, batches: step.timed(i + 1, batches)

@@ -15,7 +15,7 @@ change (the function, its lines before and after) with the reason, so an entry s
 no other (one that matches two stops the tool); LEFT lists the survivors that are not equivalent and are
 left, with why. The score is printed raw and with the equivalent ones set aside; a survivor in neither
 table is counted as unexplained. A change made twice in one function (two mutants, one diff) is listed twice.
-FUNCTIONS narrows a target to some functions of its modules (the read half of training/checkpoint.py).
+FUNCTIONS narrows a target to some functions of its modules (the read half of training/checkpoint/checkpoint_io.py).
 Writes mutation.json and mutation.md (score, one row per survivor with its diff) to --out.
 """
 
@@ -38,56 +38,56 @@ REPO = Path(__file__).resolve().parents[2]
 
 # target: (modules mutated, test files that claim to pin them)
 TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "schema": (("training/schema.py",), ("tests/test_config_schema.py", "tests/test_schema_rules.py")),
+    "schema": (("training/runfiles/schema.py",), ("tests/test_config_schema.py", "tests/test_schema_rules.py")),
     # the runtime gates: test_gates.py and test_hot_path.py reach the rest of runtime.py through training runs in
     # subprocesses, which mutmut cannot see: the oracle tests call it in-process
     "arbiter": (("training/gates/runtime.py",), ("tests/test_gradient_flow_arbiter.py", "tests/test_runtime_gates_oracles.py",
                                                  "tests/test_gates.py")),
     # parity: the oracle tests and test_parity.py's two tests that need no trained model (the rest train
     # and export: minutes per mutant)
-    "parity": (("export/parity.py",), ("tests/test_parity_oracles.py", "tests/test_parity.py::test_kl_and_thresholds",
+    "parity": (("export/parity/native_parity.py",), ("tests/test_parity_oracles.py", "tests/test_parity.py::test_kl_and_thresholds",
                                        "tests/test_parity.py::test_prompt_set_covers_the_hard_cases")),
     # the model pre-flight gates: oracle tests on a tiny model (test_gates.py prepares a corpus and trains)
-    "gates": (("training/gates/model.py", "training/gates/tolerance.py"), ("tests/test_gates_oracles.py",)),
-    "gates-data": (("training/gates/data.py",), ("tests/test_data_gates_oracles.py",)),
-    "gates-result": (("training/gates/result.py",), ("tests/test_gate_result_oracles.py",)),
+    "gates": (("training/gates/model_gates.py", "training/gates/tolerance.py"), ("tests/test_gates_oracles.py",)),
+    "gates-data": (("training/gates/data_gates.py",), ("tests/test_data_gates_oracles.py",)),
+    "gates-result": (("training/runfiles/gate_results.py",), ("tests/test_gate_result_oracles.py",)),
     # the resume format: oracle tests on hand-built folders (test_crash_safety.py kills training 20 times and
     # test_safe_loading.py runs the CLI: minutes per mutant, so they are not in the selection)
-    "resume": (("training/checkpoint_format.py",), ("tests/test_checkpoint_format_oracles.py",)),
+    "resume": (("training/checkpoint/checkpoint_format.py",), ("tests/test_checkpoint_format_oracles.py",)),
     # the one JSON reader: its depth bound reached one level either side (json's own limit is ~1000 levels)
-    "records": (("training/records.py",), ("tests/test_records.py", "tests/test_records_depth.py", "tests/test_records_oracles.py",
+    "records": (("training/runfiles/json_records.py",), ("tests/test_records.py", "tests/test_records_depth.py", "tests/test_records_oracles.py",
                                            "tests/test_boundaries_2.py::test_the_records_reader_names_depth_and_"
                                            "surrogates_with_the_line")),
     # the tokenizer's fertility and balance gates on hand-built counts (test_prepare.py trains tokenizers)
-    "fertility": (("training/fertility.py",), ("tests/test_fertility_oracles.py",)),
-    "wellformed": (("training/wellformed.py",), ("tests/test_wellformed.py", "tests/test_wellformed_oracles.py")),
+    "fertility": (("training/text/fertility.py",), ("tests/test_fertility_oracles.py",)),
+    "wellformed": (("training/text/wellformed.py",), ("tests/test_wellformed.py", "tests/test_wellformed_oracles.py")),
     # every KL of the project (parity, evaluation, the ONNX checks)
-    "logprobs": (("training/logprobs.py",), ("tests/test_logprobs_oracles.py",)),
+    "logprobs": (("training/model/logprobs.py",), ("tests/test_logprobs_oracles.py",)),
     # the runtime checks' verdict per step and the pre-flight gates' resume logic, on stand-in objects (the
     # training runs that reach them are subprocesses, which mutmut cannot see)
-    "checks": (("training/loop/checks.py",), ("tests/test_checks_mutants.py",)),
-    "preflight": (("training/loop/preflight.py",), ("tests/test_preflight_mutants.py",)),
+    "checks": (("training/loop/runtime_checks.py",), ("tests/test_checks_mutants.py",)),
+    "preflight": (("training/loop/preflight_runner.py",), ("tests/test_preflight_mutants.py",)),
     # text out of a token stream, on a scripted backend (test_stream_text.py trains and exports a model)
     "text-stream": (("serving/text_stream.py",), ("tests/test_text_stream_mutants.py",)),
     # what a request body may say: the parsers called directly (test_http.py starts servers on a model)
-    "http-requests": (("serving/http_requests.py",), ("tests/test_http_requests_mutants.py",)),
-    # the checkpoint readers: checkpoint_verify.py and the read half of checkpoint.py (FUNCTIONS), on
+    "http-requests": (("serving/server/http_requests.py",), ("tests/test_http_requests_mutants.py",)),
+    # the checkpoint readers: checkpoint_verify.py and the read half of checkpoint_io.py (FUNCTIONS), on
     # checkpoints of an untrained tiny model written in-process (test_checkpoint_damage.py trains a run)
-    "checkpoint-read": (("training/checkpoint_verify.py", "training/checkpoint.py"),
+    "checkpoint-read": (("training/checkpoint/checkpoint_verify.py", "training/checkpoint/checkpoint_io.py"),
                         ("tests/test_checkpoint_read_mutants.py",)),
 }
 # a target that mutates part of a module: the mutant names it judges (globs); the others are not run
 FUNCTIONS: dict[str, tuple[str, ...]] = {
     # the gates and the report they read; plot_report (the matplotlib chart beside them, no verdict) is not
     # verification and is judged by no test
-    "fertility": tuple(f"training.fertility.x_{f}__*" for f in (
+    "fertility": tuple(f"training.text.fertility.x_{f}__*" for f in (
         "report_from_counts", "fertility_report", "balance_ratios", "_fmt", "fertility_gates", "format_table")),
-    "checkpoint-read": ("training.checkpoint_verify.*", "training.checkpoint.x_unreadable_tensors__*",
-                        "training.checkpoint.x_check_readable__*", "training.checkpoint.xǁShardedReaderǁ*",
-                        "training.checkpoint.x_open_tensors__*", "training.checkpoint.xǁCheckpointǁ*",
-                        "training.checkpoint.x_read_state__*", "training.checkpoint.x_read_config__*",
-                        "training.checkpoint.x_load__*", "training.checkpoint.x_load_weights__*",
-                        "training.checkpoint.x_load_model__*"),
+    "checkpoint-read": ("training.checkpoint.checkpoint_verify.*", "training.checkpoint.checkpoint_io.x_unreadable_tensors__*",
+                        "training.checkpoint.checkpoint_io.x_check_readable__*", "training.checkpoint.checkpoint_io.xǁShardedReaderǁ*",
+                        "training.checkpoint.checkpoint_io.x_open_tensors__*", "training.checkpoint.checkpoint_io.xǁCheckpointǁ*",
+                        "training.checkpoint.checkpoint_io.x_read_state__*", "training.checkpoint.checkpoint_io.x_read_config__*",
+                        "training.checkpoint.checkpoint_io.x_load__*", "training.checkpoint.checkpoint_io.x_load_weights__*",
+                        "training.checkpoint.checkpoint_io.x_load_model__*"),
 }
 # what the copy needs besides the mutated modules: every package, the tests and what they read
 COPY = ("training", "serving", "export", "demo", "tests", "docs", "scripts", "README.md", "pyproject.toml")
@@ -112,7 +112,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "cutoff=0.6 dropped: it is difflib's default"),
     ('discover', 'if hf_weights in manifest.files("hf"):',
      'if hf_weights in manifest.files(None):',
-     'export.hf lists hf/model.safetensors under format "hf" only, so the key is found with or without the format filter'),
+     'export.hf.hf_export lists hf/model.safetensors under format "hf" only, so the key is found with or without the format filter'),
     ('greedy_metrics', 'for ids, want in zip(ref.ids, ref.greedy, strict=False):',
      'for ids, want in zip(ref.ids, ref.greedy, strict=None):',
      "zip's strict defaults to False: None or no argument is strict=False"),
@@ -278,7 +278,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ('train_val_disjoint', 'continue',
      'break',
      'a chunk shorter than a span is the last one (or all are): break and continue end alike'),
-    # training/fertility.py
+    # training/text/fertility.py
     ("report_from_counts", 'char_share = chars / total["chars"] if total["chars"] else 0.0',
      'char_share = chars / total["chars"] if (total["chars"]) or True else 0.0',
      "a language is reported only with chars > 0, so the total is > 0: the else is unreachable"),
@@ -293,7 +293,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("fertility_gates", "parts, bad, worst, worst_dev = [], [], None, -1.0",
      "parts, bad, worst, worst_dev = [], [], None, -2.0",
      "dev = max(b / hi, lo / b) is > 0: any start below 0 is replaced by the first language"),
-    # training/wellformed.py
+    # training/text/wellformed.py
     ("decode_utf8", 'out.append(data[i:].decode("utf-8"))', 'out.append(data[i:].decode("UTF-8"))',
      "codec names are case-insensitive"),
     ("decode_utf8", 'out.append(data[i:start].decode("utf-8"))', 'out.append(data[i:start].decode("UTF-8"))',
@@ -304,10 +304,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "_NON_LETTER.match(text[j]))):",
      "a run cut short leaves its marks (and joiners beside Bengali) stray on their own, and each then extends the "
      "cluster that ends where it starts: the same clusters"),
-    # training/records.py
+    # training/runfiles/json_records.py
     ("read_log", 'value = loads(raw.decode("utf-8"))', 'value = loads(raw.decode("UTF-8"))',
      "codec names are case-insensitive"),
-    # training/loop/checks.py
+    # training/loop/runtime_checks.py
     ("judge", "r.spike_z = self.monitor.observe(step, r.loss)", "r.spike_z = self.monitor.observe(None, r.loss)",
      "observe() keeps the step only in RuntimeMonitor.spikes, which nothing reads (grep: training/gates/runtime.py "
      "alone); the z-score and the log event take the step from judge() itself"),
@@ -327,7 +327,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      "final=True is decode_utf8's default"),
     ("_run", "decoded = decode_utf8(decode(gen), final=False)", "decoded = decode_utf8(decode(gen), final=None)",
      "decode_utf8 reads final as a truth value (`if not final`): None is False"),
-    # serving/http_requests.py
+    # serving/server/http_requests.py
     ("parse_body", 'text = raw.decode("utf-8")', 'text = raw.decode("UTF-8")', "codec names are case-insensitive"),
     ("_text", 'v.encode("utf-8")', 'v.encode("UTF-8")', "codec names are case-insensitive"),
     ("check_labels", '_label(v, f"metadata[{json.dumps(k, ensure_ascii=False)}]")',
@@ -336,12 +336,10 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
      'raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[-1])}")',
      'raise RequestError(f"{key} = {json.dumps(body[key])} is not supported: only {key}={json.dumps(noop[+1])}")',
      "each NOOP_AT entry is a pair (None, the no-op value): index 1 is index -1"),
-    ("_field", "return check(type_, v, key, strict=True)", "return check(type_, v, key, strict=None)",
-     "every type _field is given (serving.backend's SAMPLING_TYPES) carries Strict() itself: no coercion either way"),
     ("chat_messages", "if not m.keys() <= MESSAGE_KEYS:  # a dropped key would change the reply unseen",
      "if not m.keys() < MESSAGE_KEYS:  # a dropped key would change the reply unseen",
      "the test only skips the unknown-key check, which refuses nothing when the keys are exactly role and content"),
-    # training/checkpoint.py (target checkpoint-read)
+    # training/checkpoint/checkpoint_io.py (target checkpoint-read)
     *(("unreadable_tensors", "head = f.read(4)", f"head = f.read({n})",
        "the head is only tested with startswith(PICKLE_HEADS), each at most 4 bytes: more bytes read decide alike")
       for n in ("None", "5")),
@@ -367,7 +365,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
     ("load_weights", "missing, unexpected = model.load_state_dict(weights, strict=False)",
      "missing, unexpected = model.load_state_dict(weights, strict=None)",
      "load_state_dict reads strict as a truth value: None is False"),
-    # training/checkpoint_verify.py (target checkpoint-read)
+    # training/checkpoint/checkpoint_verify.py (target checkpoint-read)
     ("check_fits", 'if getattr(getattr(model, "cfg", None), "tie_embeddings", False):',
      'if getattr(getattr(model, "cfg", None), "tie_embeddings", None):',
      "the default is read only as a truth value: None is False"),
@@ -379,7 +377,7 @@ EQUIVALENT: tuple[tuple[str, str, str, str], ...] = (
 # Survivors that are not equivalent and are left, each with why (the same exact keys as EQUIVALENT): listed so
 # that every survivor of a report is explained or stands out as new.
 _NONFINITE_JSON = "(self.out / layout.NONFINITE).write_text(json.dumps(diag, indent=2))"
-# training/gates/model.py and tolerance.py (target `gates`, 2026-12-06): why each group is left
+# training/gates/model_gates.py and tolerance.py (target `gates`, 2026-12-06): why each group is left
 _GPU_ONLY = ("a device placement (the broadcast's buffers, the overfit snapshot's host copy): the same place on the "
              "CPU, where every test runs; only a GPU run (NCCL needs CUDA tensors) can tell")
 _BF16_PATH = ("the bf16/fp16 path (the measured floor, cast-once naming): reached only under bf16 autocast, and "
@@ -395,7 +393,7 @@ _NO_GRADIENT = ("the default when no gradient was compared: a gate over no train
 _SAME_TOLERANCE = ("orders the failures shown by error / tolerance: in fp32 every entry has the same TOLERANCE, so "
                    "dividing by 1.0 instead orders them alike; only the split bf16 tolerances tell")
 LEFT: tuple[tuple[str, str, str, str], ...] = (
-    # training/checkpoint.py (target checkpoint-read)
+    # training/checkpoint/checkpoint_io.py (target checkpoint-read)
     ("get_tensor", "if parts[0][1] is None:  # whole, in one file (RNG states, step counts)",
      "if parts[0][2] is None:  # whole, in one file (RNG states, step counts)",
      "the writer's parts are [file, null, null] or [file, lo, hi]: lo is null exactly when hi is; a damaged "
@@ -526,7 +524,7 @@ LEFT: tuple[tuple[str, str, str, str], ...] = (
     ('verdict', 'shown = ", ".join(f"{k} {errors[k]:.2e}" for k in sorted(bad, key=lambda k: -errors[k] / max(tol[k], 1e-30))[:6])',
      'shown = ", ".join(f"{k} {errors[k]:.2e}" for k in sorted(bad, key=lambda k: -errors[k] / max(tol[k], 1.0))[:6])', _SAME_TOLERANCE),
 
-    # training/loop/checks.py: nonfinite.json's indentation (the same JSON value, laid out otherwise)
+    # training/loop/runtime_checks.py: nonfinite.json's indentation (the same JSON value, laid out otherwise)
     *(("nonfinite", _NONFINITE_JSON, _NONFINITE_JSON.replace("indent=2", new), "the layout of nonfinite.json "
        "only (the same JSON value, which is what docs/gates.md promises and every reader parses); pinning "
        "2 spaces would copy the code") for new in ("indent=None", "", "indent=3")),
@@ -542,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("mutation-report"), help="folder for mutation.json/.md")
     p.add_argument("--max-children", type=int, default=2, help="mutants run at once (default 2)")
     p.add_argument("--only", action="append", default=[], help="run only the mutants whose name matches this "
-                                                               "glob (e.g. 'training.schema.x_one_of*'; repeatable)")
+                                                               "glob (e.g. 'training.runfiles.schema.x_one_of*'; repeatable)")
     p.add_argument("--force", action="store_true", help="overwrite an existing report in --out")
     return p
 

@@ -1,8 +1,8 @@
-"""`python -m training.evaluate ...`: see training/evaluate/cli.py."""
+"""`python -m training.evaluate ...`: see training/evaluate/evaluate_cli.py."""
 
 import sys
 
-from training.evaluate.cli import main
+from training.evaluate.evaluate_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

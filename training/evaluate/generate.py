@@ -1,9 +1,9 @@
 """Well-formedness of generated text: greedy answers to a fixed set of prompts, scored by
-`training.wellformed` (share of Bengali grapheme clusters a reader could write).
+`training.text.wellformed` (share of Bengali grapheme clusters a reader could write).
 
 Bits per byte says how well a model predicts good text; it does not say whether what the model writes
-is even valid script. A provider that can generate (`Generator`: TorchProvider here; exported files
-through `export.evaluate`) answers each prompt greedily; the answers' clusters are counted together.
+is even valid script. A provider that can generate (`Generator`: a `RunnerScorer` over the base's
+PyTorch `TransformerRunner`) answers each prompt greedily; the answers' clusters are counted together.
 The default prompts are the demo's examples plus a few more (training/assets/chat/prompts_bn.txt).
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from training.evaluate.providers import EvalError
-from training.text import read_utf8
-from training.wellformed import WellFormed
+from training.text.normalization import read_utf8
+from training.text.wellformed import WellFormed
 
 PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "chat" / "prompts_bn.txt"
 GEN_TOKENS = 64  # new tokens per answer: a few sentences of Bangla at ~3 characters per token

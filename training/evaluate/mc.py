@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from training.evaluate.providers import EvalError, LogProbProvider
-from training.evaluate.text import Span, score_spans
-from training.files import expand_files
-from training.records import read_records
-from training.text import normalize
+from training.evaluate.text_scores import Span, score_spans
+from training.runfiles.file_ops import expand_files
+from training.runfiles.json_records import read_records
+from training.text.normalization import normalize
 
 WILSON_Z = 1.959963984540054  # two-sided 95% normal quantile
 MC_EXTENSIONS = (".json", ".jsonl")

@@ -1,5 +1,6 @@
-"""What the metrics score: a `LogProbProvider` (a tokenizer plus per-position log-probabilities),
-and `TorchProvider`, a `Transformer` as one. GGUF/ONNX providers live in `export.evaluate`.
+"""What the metrics score: a `LogProbProvider` (a tokenizer plus per-position log-probabilities), and
+`RunnerScorer`, the one adapter that makes any runner one: the base's PyTorch `TransformerRunner` here,
+every exported file's `serving.Backend` in export.evaluate (a Backend is a Runner).
 
 The package's leaf: EvalError and the provider protocol, imported by every other module here."""
 
@@ -9,15 +10,10 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-from training import chat as chat_template
-from training.decode import decode
-from training.model import Transformer
-from training.tokenizer import Tokenizer
-
-LOGIT_BUDGET = 1 << 26  # fp32 logit elements per forward chunk (256 MiB)
+from training.model.logprobs import token_logprobs
+from training.model.runner import Runner, logits_batch
+from training.text import chat_template
 
 
 class EvalError(ValueError):
@@ -31,7 +27,7 @@ class LogProbProvider(Protocol):
     `token_logprobs(ids)` returns a float array of length len(ids) - 1 whose entry i - 1 is
     log p(ids[i] | ids[:i]) for i >= 1; len(ids) <= n_ctx. A provider may also offer
     `token_logprobs_batch(list_of_ids) -> list of arrays` plus `max_batch_tokens` (padded tokens per
-    call) to score many sequences per forward pass.
+    call) to score many sequences per forward pass. `RunnerScorer(runner)` is one for any runner.
     """
 
     name: str
@@ -43,52 +39,54 @@ class LogProbProvider(Protocol):
     def token_logprobs(self, ids: Sequence[int]) -> np.ndarray: ...
 
 
-class TorchProvider:
-    """A `Transformer` and its tokenizer as a LogProbProvider (batched, right-padded, fp32 log-softmax)
-    and as a `generate.Generator` (greedy, through the KV cache)."""
+class RunnerScorer:
+    """A `Runner` (or serving Backend) as a LogProbProvider: log p(ids[i] | ids[:i]) is the float64
+    log-softmax of the runner's logits (`training.model.logprobs.token_logprobs`), the one path for every runtime, batched
+    where the runner batches (`logits_batch` + `max_batch_tokens`). A runner that can answer greedily
+    (`greedy(ids, n)`, TransformerRunner) makes it a `generate.Generator` too."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, name: str = "model",
-                 max_batch_tokens: int | None = None):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.name = name
-        self.n_ctx = model.cfg.max_seq_len
-        self.bos_id = tokenizer.bos_id
-        self.device = next(model.parameters()).device
-        self.max_batch_tokens = max_batch_tokens or max(self.n_ctx, LOGIT_BUDGET // model.cfg.vocab_size)
+    def __init__(self, runner: Runner, *, name: str | None = None, n_ctx: int | None = None):
+        self.runner = runner
+        self.name = name or runner.name
+        self.n_ctx = int(n_ctx or runner.n_ctx)
+        bos = list(runner.tokenize("", bos=True))
+        if len(bos) != 1:
+            raise EvalError(f"runner {runner.name}: tokenize('', bos=True) gave {bos}, expected just <s>")
+        self.bos_id = int(bos[0])
+        # 0: the metrics score one sequence per call (a runner without logits_batch gains nothing by groups)
+        self.max_batch_tokens = int(getattr(runner, "max_batch_tokens", 0) or 0) if hasattr(runner, "logits_batch") else 0
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return [int(i) for i in self.runner.tokenize(text, bos=False)]
 
     def token_logprobs(self, ids: Sequence[int]) -> np.ndarray:
         return self.token_logprobs_batch([ids])[0]
 
-    @torch.no_grad()
     def token_logprobs_batch(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        lengths = [len(s) for s in seqs]
+        rows = [[int(i) for i in s] for s in seqs]
+        lengths = [len(s) for s in rows]
         if min(lengths) < 1 or max(lengths) > self.n_ctx:
             raise EvalError(f"sequence lengths must be in [1, {self.n_ctx}], got {min(lengths)}..{max(lengths)}")
-        x = torch.full((len(seqs), max(lengths)), self.tokenizer.pad_id, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            x[b, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        x = x.to(self.device)
-        # Right padding is invisible to a causal model at the real positions.
-        logits = self.model(x)[:, :-1].float()
-        lp = F.log_softmax(logits, dim=-1).gather(-1, x[:, 1:, None]).squeeze(-1).double().cpu().numpy()
-        return [lp[b, : n - 1] for b, n in enumerate(lengths)]
+        out = []
+        for ids, logits in zip(rows, logits_batch(self.runner, rows)):
+            logits = np.asarray(logits)
+            if logits.ndim != 2 or logits.shape[0] != len(ids):
+                raise EvalError(f"runner {self.name}: logits shape {logits.shape} for {len(ids)} tokens, expected (T, V)")
+            out.append(token_logprobs(logits[:-1], ids[1:]))
+        return out
 
     def prompt_ids(self, prompt: str, *, chat: bool) -> list[int]:
         """<s> + the chat-templated user turn (a chat model) or the plain text (a base model)."""
         if chat:
-            return chat_template.encode(self.tokenizer, [{"role": "user", "content": prompt}]).ids
-        return [self.bos_id, *self.tokenizer.encode(prompt)]
+            return chat_template.encode(self.runner.tokenizer, [{"role": "user", "content": prompt}]).ids  # type: ignore[attr-defined]
+        return [self.bos_id, *self.encode(prompt)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+        return self.runner.detokenize(ids)
 
-    @torch.no_grad()
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Argmax continuation of `ids`: stops at </s> or <|im_end|>, max_new_tokens or the context's end."""
-        stop = {self.tokenizer.eos_id, self.tokenizer.im_end_id}
-        budget = min(max_new_tokens, self.n_ctx - len(ids))
-        return list(decode(self.model, ids, budget, lambda row: int(row.argmax()), stop))
+        """Argmax continuation of `ids` (the runner's own greedy decoding): stops at end of turn."""
+        greedy = getattr(self.runner, "greedy", None)
+        if greedy is None:
+            raise EvalError(f"runner {self.name} cannot answer greedily (no greedy())")
+        return list(greedy(ids, max_new_tokens))

@@ -11,7 +11,7 @@ from pathlib import Path
 from training.evaluate.generate import GEN_TOKENS, Generator, generate_wellformed
 from training.evaluate.mc import MCItem, expand_mc_paths, load_mc, mc_set_name, score_mc
 from training.evaluate.providers import EvalError, LogProbProvider
-from training.evaluate.text import ALL, MAX_DOC_CHARS, evaluate_lm, read_text_docs
+from training.evaluate.text_scores import ALL, MAX_DOC_CHARS, evaluate_lm, read_text_docs
 
 
 @dataclass

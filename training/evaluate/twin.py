@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from training.evaluate.providers import EvalError
-from training.gates.result import GateResult
-from training.model import ModelConfig, Transformer
+from training.model.decoder import ModelConfig, Transformer
+from training.runfiles.gate_results import GateResult
 
 TWIN_SEED = 0  # the random-init twin is always built from this seed unless asked otherwise
 TWIN_MARGIN = 1.0  # nats/token the trained model must beat its twin by
@@ -96,7 +96,7 @@ def nll_twin(model: Transformer, cfg: ModelConfig | None, token_windows, *, seed
     """Mean NLL per token of `model` and of its random-init twin (same config, fixed seed) on the same windows.
 
     token_windows: a 2-D tensor/array (N, T) of token windows, an iterable of 1-D windows, or an iterable
-    of (inputs, targets) batches as `training.data.WindowLoader.next_batch` returns them.
+    of (inputs, targets) batches as `training.data.loaders.WindowLoader.next_batch` returns them.
     """
     cfg = cfg or model.cfg
     batches = _as_batches(token_windows, batch_size)

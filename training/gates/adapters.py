@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from training.gates.context import PreflightContext
-from training.gates.model import peek_batch, restore, snapshot, zero_grads
-from training.gates.preflight import PREFLIGHT, Gate
-from training.gates.result import GateResult
+from training.gates.gate_registry import PREFLIGHT, Gate
+from training.gates.model_gates import peek_batch, restore, snapshot, zero_grads
 from training.gates.runtime import gradient_flow_from_grads
+from training.runfiles.gate_results import GateResult
 
-ADAPTER_SUFFIXES = (".lora_A", ".lora_B")  # training.lora's parameter names (a leaf: no import of it here)
+ADAPTER_SUFFIXES = (".lora_A", ".lora_B")  # training.model.lora's parameter names (a leaf: no import of it here)
 PROBE_STD = 0.02  # the B probe: the scale of the model's own init (init_std), so activations stay ordinary
 
 

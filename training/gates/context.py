@@ -15,10 +15,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from training.config import TrainConfig
-    from training.data import TrainingData
+    from training.data.loaders import TrainingData
     from training.distributed import Dist
-    from training.model import ModelConfig, Transformer
+    from training.model.decoder import ModelConfig, Transformer
+    from training.train_config import TrainConfig
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Runtime gates, every training step: the non-finite diagnostic, loss spikes by rolling z-score,
 the gradient-flow check from the step's own gradients, and clipping that keeps a NaN visible.
 
-The pre-flight `gradient_flow` gate (training.gates.model) judges its one backward pass with the
+The pre-flight `gradient_flow` gate (training.gates.model_gates) judges its one backward pass with the
 same `gradient_flow_from_grads`, so pre-flight and mid-run checks cannot drift apart.
 """
 
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.gates.result import GateResult
+from training.runfiles.gate_results import GateResult
 
 if TYPE_CHECKING:
-    from training.config import TrainConfig
+    from training.train_config import TrainConfig
 
 MIN_SPIKE_HISTORY = 10  # no z-score before this many steps: early losses are too noisy
 

@@ -1,4 +1,4 @@
-"""compiled_vs_eager's comparison (training.gates.model): relative errors of the trained object's output
+"""compiled_vs_eager's comparison (training.gates.model_gates): relative errors of the trained object's output
 and gradients against the eager reference, and, for a bf16/fp16 run, the tolerance derived from the
 model's own measured rounding floor instead of one fixed number for every model size."""
 
@@ -9,7 +9,7 @@ import math
 import torch
 
 from training.gates.context import PreflightContext
-from training.gates.result import GateResult
+from training.runfiles.gate_results import GateResult
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # inputs, targets, loss mask (SFT) or None
 

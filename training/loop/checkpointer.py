@@ -1,9 +1,9 @@
 """Checkpointer: the newest complete checkpoint, an exact resume, saves (async, keep-N), on its cadence.
 
 What a checkpoint's state.json holds beyond the model, optimizer and RNG tensors is collected from the
-registered components (`register(key, component)`: `state_dict()` at save, `load_state_dict()` at
-resume; key None merges the component's keys at the top level), never packed by hand. Rank 0 alone
-writes (training.checkpoint.CheckpointWriter, on a background thread unless --no-async-checkpoints);
+components it is built with (`parts`: `state_dict()` at save, `load_state_dict()` at resume; key None
+merges the component's keys at the top level), never packed by hand. Rank 0 alone
+writes (training.checkpoint.checkpoint_io.CheckpointWriter, on a background thread unless --no-async-checkpoints);
 every rank gathers and learns of a failed write. Under FSDP2 every rank writes its own shards instead
 (nothing gathered; synchronous), and rank 0 commits the folder (`_save_sharded`). Nothing is written
 by find_latest or resume.
@@ -16,23 +16,25 @@ import hashlib
 import shutil
 import sys
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from training import checkpoint as ckpt
 from training import distributed as D
-from training import distributed_shards as shards
-from training import layout, optim
-from training.config import TrainConfig
-from training.loop import mirror_nodes
-from training.loop.mirror import Mirror
-from training.loop.ranks import USER_ERRORS, TrainError, agreed
+from training import optim
+from training.checkpoint import checkpoint_io as ckpt
+from training.checkpoint import fsdp_shards as shards
+from training.config_sections import CheckpointSection
+from training.loop.rank_agreement import USER_ERRORS, TrainError, agreed
 from training.loop.run_lock import RunLock
 from training.loop.step import ModelViews
-from training.tokenizer import Tokenizer
+from training.mirror import node_caches as mirror_nodes
+from training.mirror.run_mirror import Mirror
+from training.run_context import RunContext
+from training.runfiles import layout
+from training.text.tokenizer import Tokenizer
 
 # settings a resume must share with the run it continues: another one would not continue it exactly
 EXACT_SETTINGS = ("seed", "seq_len", "batch_size")
@@ -40,39 +42,29 @@ EXACT_SETTINGS = ("seed", "seq_len", "batch_size")
 
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
-
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class Live:
-    """A component looked up at each use (the data loader is wrapped by a Prefetcher once the loop starts)."""
-
-    def __init__(self, get: Callable[[], Stateful]):
-        self.get = get
-
-    def state_dict(self) -> dict:
-        return self.get().state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.get().load_state_dict(state)
+Part = tuple[str | None, Stateful, str]  # (state.json key or None, the component, what it is, for errors)
 
 
-class Checkpointer:
-    def __init__(self, out: Path, d: D.Dist, device: torch.device, cfg: TrainConfig, *, kind: str,
-                 log: Callable[[dict], None], say: Callable[[str], None]):
-        self.out, self.dist, self.device, self.cfg, self.kind = Path(out), d, device, cfg, kind
-        self.log, self.say = log, say  # a --reset-optimizer resume is recorded in log.jsonl and said
-        self.writer = ckpt.CheckpointWriter(asynchronous=cfg.async_checkpoints)  # rank 0 alone writes with it
+class Checkpointer:  # built whole: the state.json parts, keep-N's exceptions, a URL --out's mirror
+    def __init__(self, section: CheckpointSection, ctx: RunContext, *, parts: Iterable[Part] = (),
+                 keep: Callable[[], Container[int]] = tuple, mirror: Mirror | None = None):
+        self.cfg, self.out, self.dist, self.device, self.kind = section, ctx.out, ctx.dist, ctx.device, ctx.kind
+        self.log, self.say = ctx.log, ctx.say  # a --reset-optimizer resume is recorded in log.jsonl and said
+        self.writer = ckpt.CheckpointWriter(asynchronous=section.async_checkpoints)  # rank 0 alone writes with it
         # FSDP2: every rank writes its own shards (no gather); the writer then only keeps the timings
-        self.sharded = bool(cfg.fsdp and d.enabled and cfg.fsdp_sharded_checkpoints)
-        self.components: list[tuple[str | None, str, Stateful]] = []
+        self.sharded = bool(section.fsdp and ctx.dist.enabled and section.fsdp_sharded_checkpoints)
+        self.components: tuple[tuple[str | None, str, Stateful], ...] = tuple(
+            (key, what or str(key), part) for key, part, what in parts)
         self.saved_step = 0
-        self.keep: Callable[[], Container[int]] = tuple  # steps keep-N must not prune (the best, early stopping)
-        self.mirror: Mirror | None = None  # a URL --out: each save, once handed to the writer, is uploaded
+        self.keep = keep  # steps keep-N must not prune (the best, early stopping)
+        self.mirror = mirror  # a URL --out: each save, once handed to the writer, is uploaded
         self.landing: dict | None = None  # rank 0: the save whose write is in flight, logged once it lands
         self.run_lock = RunLock(self.out)  # rank 0's hold on the run folder, from pull_remote() to close_mirror()
 
-    # ---------------------------------------------------------------- a URL --out (training.loop.mirror)
+    # ---------------------------------------------------------------- a URL --out (training.mirror.run_mirror)
     def pull_remote(self, model_cfg: Any, force: bool) -> None:
         """First the run folder's lock (loop.run_lock): rank 0, the one writer, holds it for the run's life,
         taken before anything reads or pulls into the folder; another run holding it is refused by name,
@@ -89,8 +81,7 @@ class Checkpointer:
     def start_mirror(self) -> None:
         """Uploads start once the run folder is written: nothing before the checks."""
         if (m := self.mirror) is not None:
-            m.keep = self.keep
-            m.start()
+            m.start(keep=self.keep)
             m.run_files()
 
     def close_mirror(self, allow_local_only: bool) -> str:
@@ -100,9 +91,6 @@ class Checkpointer:
             return self.mirror.close(allow_local_only) if self.mirror is not None else ""
         finally:
             self.run_lock.release()
-
-    def register(self, key: str | None, component: Stateful, what: str = "") -> None:
-        self.components.append((key, what or str(key), component))
 
     def should_save(self, step: int, *, last: bool, stopping: bool, new_best: bool) -> bool:
         every = self.cfg.save_every
@@ -237,7 +225,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------ save
     def save(self, step: int, views: ModelViews, tokenizer: Tokenizer) -> None:
-        """A complete checkpoint of this step (atomic; see training.checkpoint). Every rank calls it:
+        """A complete checkpoint of this step (atomic; see training.checkpoint.checkpoint_io). Every rank calls it:
         gathering FSDP2 shards is a collective. The previous write must have succeeded (every rank learns if not)."""
         d = self.dist
         self.finish()
@@ -284,7 +272,7 @@ class Checkpointer:
     def _state(self, groups: list[dict]) -> dict[str, Any]:
         """state.json's contents beyond step and tokenizer: the registered components' states."""
         state: dict[str, Any] = {"kind": self.kind, "optimizer_param_groups": groups,
-                                 "world_size": self.dist.world_size, "train": self.cfg.to_dict()}
+                                 "world_size": self.dist.world_size, "train": dict(self.cfg.settings)}
         for key, _, component in self.components:
             part = component.state_dict()
             state.update(part if key is None else {key: part})
@@ -396,4 +384,4 @@ def local_state(views: ModelViews) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["USER_ERRORS", "Checkpointer", "Live", "local_state"]
+__all__ = ["USER_ERRORS", "Checkpointer", "local_state"]

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
-from training import checkpoint as ckpt
-from training import distributed as D
-from training import layout
+from training.checkpoint import checkpoint_io as ckpt
+from training.run_context import RunContext
+from training.runfiles import layout
 
 
 class EarlyStopping:
-    def __init__(self, patience: int, out: Path, d: D.Dist, *, log: Callable[[dict], None],
-                 say: Callable[[str], None]):
-        self.patience, self.out, self.dist, self.log, self.say = patience, Path(out), d, log, say
+    def __init__(self, patience: int, ctx: RunContext):
+        self.patience, self.out, self.dist, self.log, self.say = patience, ctx.out, ctx.dist, ctx.log, ctx.say
         self.best: dict = {"val_loss": None, "step": 0, "evals_since": 0}
         self.stopped: dict | None = None  # this session's early_stop record
         self.prior: dict | None = None  # early_stop.json of an earlier session this command repeats

@@ -3,18 +3,18 @@
 `open()` (while the data is read) checks the folder against the data's tokenizer and gives the model
 shape; `load()` (a fresh run only) copies the weights into the model on the CPU before wrapping and runs
 the import parity gate on the data's first ids, which stay unconsumed. Its gate result joins the
-pre-flight report in gates.json (`gates`). The import itself lives in training.hf_import.
+pre-flight report in gates.json (`gates`). The import itself lives in training.model.hf_import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from training import hf_import
-from training.data import TrainingData
-from training.gates.result import GateResult
-from training.model import ModelConfig, Transformer
-from training.tokenizer import Tokenizer
+from training.data.loaders import TrainingData
+from training.model import hf_import
+from training.model.decoder import ModelConfig, Transformer
+from training.runfiles.gate_results import GateResult
+from training.text.tokenizer import Tokenizer
 
 
 class HFInit:

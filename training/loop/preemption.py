@@ -1,22 +1,20 @@
-"""PreemptionStop: a SIGTERM/SIGUSR1 (training.preempt: the handlers and the agreed poll) ends the
+"""PreemptionStop: a SIGTERM/SIGUSR1 (training.loop.preempt_signals: the handlers and the agreed poll) ends the
 run on a checkpoint of the step every rank agreed on, then raises preempt.Preempted (exit 3)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
-from training import checkpoint as ckpt
-from training import distributed as D
-from training import preempt
+from training.checkpoint import checkpoint_io as ckpt
+from training.loop import preempt_signals as preempt
 from training.loop.checkpointer import Checkpointer
+from training.run_context import RunContext
 
 
 class PreemptionStop:
-    def __init__(self, d: D.Dist, device: torch.device, checkpointer: Checkpointer, log: Callable[[dict], None]):
-        self.dist, self.checkpointer, self.log = d, checkpointer, log
-        self.signals = preempt.Preemption(d, device)
+    def __init__(self, ctx: RunContext, checkpointer: Checkpointer):
+        self.dist, self.checkpointer, self.log = ctx.dist, checkpointer, ctx.log
+        self.signals = preempt.Preemption(ctx.dist, ctx.device)
         self.installed = False
 
     def install(self) -> None:
@@ -24,7 +22,7 @@ class PreemptionStop:
         self.installed = True
 
     def should_stop(self) -> int:
-        """The signal number every rank agrees on at this step (0: none); see training.preempt."""
+        """The signal number every rank agrees on at this step (0: none); see training.loop.preempt_signals."""
         return self.signals.poll()
 
     def stop(self, step: int, signum: int, save: Callable[[], None]) -> None:

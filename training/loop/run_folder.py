@@ -12,24 +12,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
-from training import distributed as D
-from training import gates, layout
-from training.loop.ranks import TrainError
-from training.model import ModelConfig
-from training.tokenizer import Tokenizer
+from training import gates
+from training.loop.rank_agreement import TrainError
+from training.model.decoder import ModelConfig
+from training.run_context import RunContext
+from training.runfiles import layout
+from training.text.tokenizer import Tokenizer
 
 # named last in the refusal: a user's folder is described by the file a user would recognize
 _OUR_NAMES = frozenset({layout.GATES, layout.LOG, layout.TOKENIZER, layout.NONFINITE, layout.EARLY_STOP})
 
 
 class RunFolder:
-    def __init__(self, out: Path, d: D.Dist, *, kind: str, force: bool):
-        self.out, self.dist, self.kind, self.force = Path(out), d, kind, force
+    def __init__(self, ctx: RunContext, *, force: bool):
+        self.out, self.dist, self.kind, self.force = ctx.out, ctx.dist, ctx.kind, force
         self.holds_run = False  # run.json or checkpoints/: a failed gate report must not go there
         self.start_over = False  # --force over a run with another model config: commit() clears it
-        self.gate_report: gates.GateReport | None = None  # the passed pre-flight report commit() writes
 
     def check(self, model_cfg: ModelConfig) -> None:
         """This rank's reading of --out (nothing is written): TrainError when it is not usable."""
@@ -72,9 +71,11 @@ class RunFolder:
             self.mark()
             report.save(self.out / layout.GATES)
 
-    def commit(self, *, model_cfg: ModelConfig, train: dict, tokenizer: Tokenizer) -> None:
-        """Write the run folder, now that everything is checked (rank 0; every rank waits for it to start).
-        With --force over another run, its checkpoints and log go first."""
+    def commit(self, *, model_cfg: ModelConfig, train: dict, tokenizer: Tokenizer,
+               gate_report: gates.GateReport | None = None) -> None:
+        """Write the run folder, now that everything is checked (rank 0; every rank waits for it to start):
+        with the passed pre-flight report (None: a resume the gates need not judge again). With --force
+        over another run, its checkpoints and log go first."""
         d = self.dist
         d.barrier()  # every rank has read the run folder before rank 0 writes into it
         if not d.is_main:
@@ -84,8 +85,8 @@ class RunFolder:
             shutil.rmtree(self.out / layout.CHECKPOINTS, ignore_errors=True)
             (self.out / layout.LOG).unlink(missing_ok=True)
         (self.out / layout.EARLY_STOP).unlink(missing_ok=True)  # training on: an old early stop no longer holds
-        if self.gate_report is not None:
-            self.gate_report.save(self.out / layout.GATES)
+        if gate_report is not None:
+            gate_report.save(self.out / layout.GATES)
         tokenizer.save(self.out / layout.TOKENIZER)
         key, version = layout.RUN_FORMAT
         run_cfg = {key: version, "kind": self.kind, "model": model_cfg.to_dict(), "train": train}

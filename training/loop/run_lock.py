@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from training import layout
+from training.runfiles import layout
 
 
 class RunInUse(layout.LayoutError):

@@ -23,12 +23,13 @@ import torch
 
 from training import distributed as D
 from training import gates, optim
-from training.config import ConfigError, TrainConfig
-from training.data import Batch
+from training.config_sections import StepSection
+from training.data.loaders import Batch
 from training.gates.runtime import first_nonfinite_index
 from training.loop.weight_cast import CastOnce
-from training.model import Transformer
+from training.model.decoder import Transformer
 from training.schedule import lr_at
+from training.train_config import ConfigError
 
 Autocast = Callable[[], contextlib.AbstractContextManager]
 
@@ -66,7 +67,7 @@ def pick_device(name: str, d: D.Dist) -> torch.device:
     return torch.device(name)
 
 
-def autocast_for(cfg: TrainConfig, device: torch.device) -> Autocast:
+def autocast_for(cfg: StepSection, device: torch.device) -> Autocast:
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
     if use_bf16:
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -100,7 +101,7 @@ class ModelViews:
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
 
-def build_views(model: Transformer, cfg: TrainConfig, d: D.Dist, device: torch.device,
+def build_views(model: Transformer, cfg: StepSection, d: D.Dist, device: torch.device,
                 new_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None) -> ModelViews:
     """`model` (built on the CPU) moved to `device`, its blocks compiled with --compile, wrapped for
     DDP/FSDP2, and its optimizer (training.optim.make_optimizer unless `new_optimizer` is given)."""
@@ -140,12 +141,12 @@ class StepResult:
     spike_z: float | None = None
 
 
-def total_steps(cfg: TrainConfig, d: D.Dist) -> int:
+def total_steps(cfg: StepSection, d: D.Dist) -> int:
     """The run's optimizer steps: --max-steps, else --max-tokens over the tokens each step takes."""
     return cfg.max_steps or math.ceil(cfg.max_tokens / tokens_per_step(cfg, d))
 
 
-def tokens_per_step(cfg: TrainConfig, d: D.Dist) -> int:
+def tokens_per_step(cfg: StepSection, d: D.Dist) -> int:
     return cfg.batch_size * cfg.grad_accum * cfg.seq_len * d.world_size
 
 
@@ -154,7 +155,7 @@ class TrainStep:
     (`apply`, after the host judged the values) or on the device without a host read (`apply_deferred`:
     fused AdamW skips a non-finite update itself)."""
 
-    def __init__(self, views: ModelViews, cfg: TrainConfig, d: D.Dist, lr_schedule: optim.Schedule = lr_at,
+    def __init__(self, views: ModelViews, cfg: StepSection, d: D.Dist, lr_schedule: optim.Schedule = lr_at,
                  on_first_update: Callable[[ModelViews], None] | None = None):
         self.views, self.cfg, self.dist, self.lr_schedule = views, cfg, d, lr_schedule
         # called once, after the first update this process applies (the optimizer's moments exist then):

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import torch
 
-from training.config import TrainConfig
+from training.config_sections import ChecksSection
 from training.loop.step import StepResult
 
 
 class StepReads:
-    def __init__(self, cfg: TrainConfig, *, deferred: bool, judge: Callable[[StepResult], bool],
+    def __init__(self, cfg: ChecksSection, *, deferred: bool, judge: Callable[[StepResult], bool],
                  record: Callable[[StepResult], dict], write: Callable[[dict], None]):
         self.cfg, self.deferred = cfg, deferred
         self.judge, self.record, self.write = judge, record, write

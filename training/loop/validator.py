@@ -8,14 +8,15 @@ import math
 import torch
 
 from training import distributed as D
-from training.config import TrainConfig
-from training.data import TrainingData
+from training.config_sections import ValidationSection
+from training.data.loaders import TrainingData
 from training.loop.step import ModelViews, to_device
+from training.run_context import RunContext
 
 
 class Validator:
-    def __init__(self, cfg: TrainConfig, data: TrainingData, d: D.Dist, views: ModelViews):
-        self.cfg, self.data, self.dist, self.views = cfg, data, d, views
+    def __init__(self, section: ValidationSection, ctx: RunContext, data: TrainingData, views: ModelViews):
+        self.cfg, self.dist, self.data, self.views = section, ctx.dist, data, views
         self.last: dict | None = None  # the newest result, for the progress line and the summary
 
     def should_validate(self, step: int, *, last: bool) -> bool:

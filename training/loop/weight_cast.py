@@ -34,7 +34,7 @@ class CastOnce(nn.Module):
     """Calls `inner` with bf16 copies of its block matrices, made once per `hold()` (one optimizer step)
     or, outside one, once per call. Every other attribute (training mode, parameters) is `inner`'s."""
 
-    casts_once = True  # what training.gates.model.nonreference_paths names
+    casts_once = True  # what training.gates.model_gates.nonreference_paths names
 
     def __init__(self, inner: nn.Module, dtype: torch.dtype):
         super().__init__()

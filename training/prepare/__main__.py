@@ -1,9 +1,9 @@
-"""`python -m training.prepare ...`: see training/prepare/cli.py."""
+"""`python -m training.prepare ...`: see training/prepare/prepare_cli.py."""
 
 import contextlib
 import sys
 
-from training.prepare.cli import main
+from training.prepare.prepare_cli import main
 
 with contextlib.suppress(BrokenPipeError):
     sys.exit(main())

@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from training.prepare.cluster.pool import chunks, ordered_map, resolve_workers
+from training.prepare.cluster.worker_memory import MemoryPlan
 from training.prepare.decontam import EvalIndex
 from training.prepare.dedup import DedupIndex, band_keys, exact_key, word_hashes
 from training.prepare.errors import PrepareError, Unreadable
 from training.prepare.keys import SALT_EVAL, hash_key, shard_of, split_of
-from training.prepare.memory import MemoryPlan
 from training.prepare.options import Options
-from training.prepare.pool import chunks, ordered_map, resolve_workers
 from training.prepare.quality import PrepConfig, QualityRules
 from training.prepare.sources import FileSource, HFSource, clean
-from training.progress import bar as progress_bar
-from training.text import LANGUAGES, language_of_counts, match_words, script_counts
+from training.runfiles.progress import bar as progress_bar
+from training.text.normalization import LANGUAGES, language_of_counts, match_words, script_counts
 
 EXAMPLES_PER_REASON = 3
 SNIPPET_CHARS = 300

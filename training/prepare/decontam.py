@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from training.files import expand_files
 from training.prepare.dedup import extend_ngrams, ngram_hashes, word_hashes
 from training.prepare.errors import PrepareError
-from training.records import JSONBoundError, loads
-from training.text import match_words, normalize
+from training.runfiles.file_ops import expand_files
+from training.runfiles.json_records import JSONBoundError, loads
+from training.text.normalization import match_words, normalize
 
 EVAL_TEXT_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".ndjson", ".tsv")  # what --decontaminate folders yield
 HELD_OUT_SPLITS = ("test", "validation", "val", "dev")  # the splits training/sft.py holds out
@@ -68,7 +68,7 @@ def _records(path: Path) -> list:
     text = path.read_text(encoding="utf-8")
     stripped = text.lstrip()
     if stripped.startswith("["):
-        data = loads(stripped)  # the one bounded reader (training.records): depth, valid Unicode
+        data = loads(stripped)  # the one bounded reader (training.runfiles.json_records): depth, valid Unicode
         return data if isinstance(data, list) else [data]
     return [loads(line) for line in text.splitlines() if line.strip()]
 

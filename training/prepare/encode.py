@@ -1,5 +1,5 @@
 """Pass 3, encode: kept documents as <s> ids </s> on worker processes, in input order, into
-fixed-size shards (training.shards.ShardWriter): the same shards for any worker count."""
+fixed-size shards (training.data.shards.ShardWriter): the same shards for any worker count."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
+from training.data.shards import ShardWriter
 from training.prepare.clean import CleanResult, raw_texts
+from training.prepare.cluster.pool import chunks, ordered_map, resolve_workers
 from training.prepare.keys import split_of
 from training.prepare.options import Options
-from training.prepare.pool import chunks, ordered_map, resolve_workers
 from training.prepare.sample import mix_kept
 from training.prepare.sources import clean
-from training.progress import bar as progress_bar
-from training.shards import ShardWriter
-from training.text import LANGUAGES
-from training.tokenizer import Tokenizer
+from training.runfiles.progress import bar as progress_bar
+from training.text.normalization import LANGUAGES
+from training.text.tokenizer import Tokenizer
 
 _worker_tok: Tokenizer | None = None
 

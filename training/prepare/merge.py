@@ -19,17 +19,17 @@ import os
 import shutil
 from pathlib import Path
 
-from training import layout
-from training.fertility import fertility_gates, report_from_counts
-from training.files import Input, check_apart
+from training.data.shards import DataError, read_header
 from training.gates import GateReport
-from training.prepare.cluster_merge import merge_tasks
-from training.prepare.cluster_plan import PLAN
+from training.prepare.cluster.cluster_merge import merge_tasks
+from training.prepare.cluster.cluster_plan import PLAN
 from training.prepare.errors import GateFailed, PrepareError
 from training.prepare.options import DATA_FORMAT_VERSION
 from training.prepare.pipeline import _check_out, finish
-from training.prepare.report import report_md
-from training.shards import DataError, read_header
+from training.prepare.prepare_report import report_md
+from training.runfiles import layout
+from training.runfiles.file_ops import Input, check_apart
+from training.text.fertility import fertility_gates, report_from_counts
 
 SAME_OPTIONS = ("seed", "val_fraction", "text_field", "filters", "dedup", "near_dedup")
 SUMMED = ("n_tokens", "n_shards", "n_docs", "n_bytes", "n_chars")

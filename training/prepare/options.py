@@ -9,17 +9,11 @@ from typing import Annotated
 
 from pydantic import Field
 
-from training.fertility import (
-    DEFAULT_BALANCE_RANGE,
-    DEFAULT_FERTILITY_FLOOR,
-    DEFAULT_FERTILITY_RATIO,
-    GATE_NAMES,
-)
-from training.files import Input, check_apart
+from training.prepare.cluster.worker_memory import DEFAULT_MEMORY_GB
 from training.prepare.errors import PrepareError
-from training.prepare.memory import DEFAULT_MEMORY_GB
 from training.prepare.sources import TEXT_FIELD
-from training.schema import (
+from training.runfiles.file_ops import Input, check_apart
+from training.runfiles.schema import (
     NonNegFloat,
     NonNegInt,
     PositiveFloat,
@@ -30,7 +24,13 @@ from training.schema import (
     one_of,
     parse,
 )
-from training.text import LANGUAGES
+from training.text.fertility import (
+    DEFAULT_BALANCE_RANGE,
+    DEFAULT_FERTILITY_FLOOR,
+    DEFAULT_FERTILITY_RATIO,
+    GATE_NAMES,
+)
+from training.text.normalization import LANGUAGES
 
 DATA_FORMAT_VERSION = 1
 DEFAULT_VOCAB_SIZE = 8192
@@ -85,7 +85,7 @@ class Options:
     shipped_eval_sets: bool = True
     shard_index: int = 0
     num_shards: int = 1
-    memory_gb: float = DEFAULT_MEMORY_GB  # main process + workers (training.prepare.memory)
+    memory_gb: float = DEFAULT_MEMORY_GB  # main process + workers (training.prepare.cluster.worker_memory)
 
     def validate(self) -> None:
         """Every option against the schema type its flag has (OPTION_TYPES), then the cross-checks."""
@@ -114,7 +114,7 @@ class Options:
 
 
 def check_places(inputs: Sequence[str], out: Path, opt: Options, shipped_eval: Sequence[Path] = ()) -> None:
-    """--out apart from everything the run reads (training.files.check_apart): with --force the old DATA_DIR
+    """--out apart from everything the run reads (training.runfiles.file_ops.check_apart): with --force the old DATA_DIR
     is deleted once the new one is in place, so an --out that is, holds or lies in an input would take
     the corpus (or the tokenizer, quality rules, eval sets) with it."""
     check_apart("--out", out, [*(Input("--input", i) for i in inputs), Input("--tokenizer", opt.tokenizer),

@@ -14,14 +14,12 @@ import os
 import shutil
 from pathlib import Path
 
-from training import layout, vocab_extend
-from training.fertility import fertility_gates, fertility_report, format_table, plot_report
 from training.gates import GateReport
 from training.prepare.clean import CleanResult, clean_pass, validate_files
+from training.prepare.cluster.worker_memory import plan_memory
 from training.prepare.decontam import EvalIndex, resolve_eval_paths
 from training.prepare.encode import encode_pass
 from training.prepare.errors import GateFailed, PrepareError
-from training.prepare.memory import plan_memory
 from training.prepare.options import (
     DATA_FORMAT_VERSION,
     DEFAULT_VOCAB_SIZE,
@@ -29,11 +27,14 @@ from training.prepare.options import (
     mix_keep_probabilities,
     parse_mix,
 )
+from training.prepare.prepare_report import cleaning_sections, report_md
 from training.prepare.quality import load_config
-from training.prepare.report import cleaning_sections, report_md
 from training.prepare.sample import mix_kept, sample_sentences
 from training.prepare.sources import resolve_sources
-from training.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from training.runfiles import layout
+from training.text import vocab_extend
+from training.text.fertility import fertility_gates, fertility_report, format_table, plot_report
+from training.text.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
 FERTILITY_PNG = "fertility.png"
 

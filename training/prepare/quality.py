@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from training.prepare.errors import PrepareError
-from training.schema import NonNegInt, Probability, SchemaError, check, reject_unknown
-from training.text import match_words, script_counts
+from training.runfiles.schema import NonNegInt, Probability, SchemaError, check, reject_unknown
+from training.text.normalization import match_words, script_counts
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -9,9 +9,9 @@ from training.prepare.clean import CleanResult, raw_texts
 from training.prepare.keys import SALT_MIX, SALT_SENTENCE, hash_key, hash_unit, split_of
 from training.prepare.options import Options
 from training.prepare.sources import clean
-from training.progress import bar as progress_bar
-from training.text import detect_language
-from training.tokenizer import MAX_SENTENCE_BYTES
+from training.runfiles.progress import bar as progress_bar
+from training.text.normalization import detect_language
+from training.text.tokenizer import MAX_SENTENCE_BYTES
 
 
 def mix_kept(doc: str, keep: dict[str, float] | None, seed: int) -> str | None:

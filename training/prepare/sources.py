@@ -18,17 +18,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.files import expand_files
 from training.prepare.errors import PrepareError, Unreadable
-from training.records import JSONBoundError, loads
-from training.schema import unknown_name
-from training.text import normalize
+from training.runfiles.file_ops import expand_files
+from training.runfiles.json_records import JSONBoundError, loads
+from training.runfiles.schema import HF_PREFIX, unknown_name
+from training.text.normalization import normalize
 
 MAX_DOC_CHARS = 100_000  # a file without blank lines is cut into documents of about this size
 TEXT_FIELD = "text"
 JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
-HF_PREFIX = "hf:"
 HF_DEFAULT_SPLIT = "train"
 SOURCE_KINDS = (HF_PREFIX,)  # KIND:SPEC inputs; anything else is a file or folder
 

@@ -1,0 +1,1 @@
+"""The Hugging Face export: the LlamaForCausalLM folder, its tokenizer.json, PEFT adapters."""

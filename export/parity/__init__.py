@@ -1,0 +1,1 @@
+"""Parity: every exported file against the PyTorch fp32 checkpoint, native, in a browser, on aarch64 kernels, adapters included."""

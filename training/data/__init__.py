@@ -1,0 +1,1 @@
+"""Training data (training stage): the token-shard format, the loaders, SFT records."""

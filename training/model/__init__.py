@@ -1,0 +1,1 @@
+"""The model room (shared base): ModelConfig and the one Llama decoder, its HF and GGUF name maps, the HF import, log-probabilities, the KV-cached decode loop, the one runner interface (Runner) and PyTorch runner (TransformerRunner)."""
