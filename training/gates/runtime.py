@@ -17,6 +17,7 @@ import torch
 from training.runfiles.gate_results import GateResult
 
 if TYPE_CHECKING:
+    from training.config_sections import ChecksSection
     from training.train_config import TrainConfig
 
 MIN_SPIKE_HISTORY = 10  # no z-score before this many steps: early losses are too noisy
@@ -72,7 +73,7 @@ def gradient_flow_from_grads(named_params: NamedParams) -> GateResult:
 class RuntimeMonitor:
     """Loss-spike z-scores over a rolling window, and the non-finite diagnostic."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: ChecksSection | TrainConfig):  # reads spike_window and spike_zscore only
         self.window, self.z = cfg.spike_window, cfg.spike_zscore
         self.history: list[float] = []
         self.spikes: list[tuple[int, float]] = []
